@@ -1,0 +1,3 @@
+"""nlearn: language models whose token mixers keep learning while they read."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Pure functional memory ops (no Flax, no configs)."""

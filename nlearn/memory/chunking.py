@@ -1,0 +1,65 @@
+"""Shared pieces of the chunked ops: argument checks, padding to a chunk multiple, chunk reshapes.
+
+Ops take `[B, T, H, D]` activations and `[B, T, H]` gates; the chunked forms work on
+`[B, H, N, C, D]` (N chunks of C tokens). Padding is internal: callers pass any T.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def check_positive(name: str, value: int) -> None:
+    """Refuse a non-positive chunk or mini-batch size with a message naming it."""
+    if not isinstance(value, (int,)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+    """Validate `q, k: [B, T, H, Dk]`, `v: [B, T, H, Dv]`; return (B, T, H, Dk, Dv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape [B, T, H, D], got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"v must share [B, T, H] with k, got v {tuple(v.shape)} and k {tuple(k.shape)}"
+        )
+    b, t, h, dk = k.shape
+    return b, t, h, dk, v.shape[-1]
+
+
+def check_gate(name: str, gate, batch: int, length: int, heads: int) -> None:
+    """Validate a per-token gate of shape `[B, T, H]`."""
+    if gate.shape != (batch, length, heads):
+        raise ValueError(
+            f"{name} must have shape [B, T, H] = {(batch, length, heads)}, got shape {tuple(gate.shape)}"
+        )
+
+
+def pad_time(x, multiple: int, value: float = 0.0):
+    """Pad axis 1 (time) of `x [B, T, ...]` up to a multiple of `multiple`."""
+    t = x.shape[1]
+    pad = (-t) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def to_chunks(x, chunk: int):
+    """`[B, T, H, ...]` with T % chunk == 0 -> `[B, H, N, C, ...]`."""
+    b, t, h = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.reshape(b, t // chunk, chunk, h, *rest)
+    return jnp.moveaxis(x, 3, 1)
+
+
+def from_chunks(x, length: int):
+    """`[B, H, N, C, ...]` -> `[B, length, H, ...]` (drops padding)."""
+    b, h, n, c = x.shape[:4]
+    rest = x.shape[4:]
+    x = jnp.moveaxis(x, 1, 3).reshape(b, n * c, h, *rest)
+    return x[:, :length]
