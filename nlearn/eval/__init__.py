@@ -1,0 +1,1 @@
+"""Evaluation: perplexity on held-out text, synthetic recall, generation with recurrent state."""

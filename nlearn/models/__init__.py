@@ -1,0 +1,55 @@
+"""Model registry: `build(config)` turns a config into an NNX language model.
+
+A family registers a mixer factory (and optionally a config validator and a default memory
+section); every family shares the backbone in `nlearn.models.lm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from flax import nnx
+
+from nlearn.models.lm import LanguageModel, MixerFactory
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    make_mixer: MixerFactory
+    validate: Optional[Callable] = None  # (config) -> None, raises UserError
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(name: str, make_mixer: MixerFactory, validate: Optional[Callable] = None) -> None:
+    FAMILIES[name] = Family(make_mixer, validate)
+
+
+def validate_config(config) -> None:
+    family = FAMILIES[config.model.family]
+    if family.validate is not None:
+        family.validate(config)
+
+
+def build(config, rngs: Optional[nnx.Rngs] = None) -> LanguageModel:
+    """The model named by `config.model.family`, with float32 parameters (seeded by train.seed)."""
+    family = FAMILIES[config.model.family]
+    rngs = rngs if rngs is not None else nnx.Rngs(params=config.train.seed)
+    with nnx.use_eager_sharding(False):  # placement happens in the trainer, by the rules table
+        return LanguageModel(config.model, family.make_mixer, rngs=rngs)
+
+
+def count_params(config) -> int:
+    """Parameter count without allocating (abstract evaluation)."""
+    import math
+
+    import jax
+
+    model = nnx.eval_shape(lambda: build(config))
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return sum(math.prod(x.shape) for x in leaves)
+
+
+from nlearn.models import transformer  # noqa: E402,F401  (registers the families)

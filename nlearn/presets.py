@@ -1,0 +1,28 @@
+"""Preset selection shared by the family config files under `configs/`."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from nlearn.errors import UserError
+
+# Paper-scale presets train with the paper's tokenizer size and context.
+PAPER_SCALE = dict(vocab_size=32000, seq_len=2048, batch_size=256, lr=3e-4, warmup_steps=1000,
+                   steps=50000)
+
+
+def apply_preset(config: ml_collections.ConfigDict, presets: dict, preset: str,
+                 train: dict | None = None) -> ml_collections.ConfigDict:
+    """Apply `presets[preset]` to `config.model` (paper sizes also get paper-scale training)."""
+    if preset not in presets:
+        raise UserError(f"unknown preset {preset!r}; valid presets: {', '.join(presets)}")
+    for key, value in presets[preset].items():
+        config.model[key] = value
+    if preset != "tiny":
+        config.data.vocab_size = PAPER_SCALE["vocab_size"]
+        for key in ("seq_len", "batch_size", "lr", "warmup_steps", "steps"):
+            config.train[key] = PAPER_SCALE[key]
+    for key, value in (train or {}).items():
+        config.train[key] = value
+    config.lock()
+    return config

@@ -1,0 +1,82 @@
+"""orbax checkpoints that carry everything needed to resume exactly.
+
+One `CheckpointManager` item per concern: `state` (params, optimizer state, step, RNG),
+`data` (the grain iterator position) and `meta` (resolved config, logger run id). Restoring
+tries the newest step first and falls back, with a warning, to older ones if it is unreadable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grain
+import orbax.checkpoint as ocp
+from absl import logging
+
+from nlearn.errors import UserError
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+class Checkpointer:
+    """Saves and restores train state, data-iterator state and metadata under `workdir`."""
+
+    def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        directory = checkpoint_dir(workdir)
+        if read_only and not os.path.isdir(directory):
+            raise UserError(f"no checkpoints in {workdir!r} (expected {directory})")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only,
+            enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(directory, options=options,
+                                             item_names=("state", "data", "meta"))
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state, data_iter, meta: dict, *, force: bool = False) -> None:
+        args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        if data_iter is not None:
+            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        self.manager.save(step, args=ocp.args.Composite(**args), force=force)
+
+    def restore(self, abstract_state, data_iter=None, step: int | None = None):
+        """Restore `step` (or the newest readable one): returns `(step, state, meta)`.
+
+        `data_iter`, when given, is moved to the saved position in place. Raises UserError
+        when no checkpoint exists or none can be read.
+        """
+        steps = self.steps()
+        if not steps:
+            raise UserError(f"no checkpoint found in {self.manager.directory}")
+        if step is not None:
+            if step not in steps:
+                raise UserError(f"no checkpoint for step {step} in {self.manager.directory}; available: {steps}")
+            candidates = [step]
+        else:
+            candidates = steps[::-1]
+        errors = []
+        for s in candidates:
+            args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+            if data_iter is not None:
+                args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+            try:
+                restored = self.manager.restore(s, args=ocp.args.Composite(**args))
+            except Exception as e:  # corrupt or partial files: try the previous checkpoint
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                logging.warning("checkpoint at step %d is unreadable (%s); trying an older one", s, msg)
+                errors.append(f"step {s}: {msg}")
+                continue
+            if errors:
+                logging.warning("resumed from step %d after skipping unreadable checkpoints", s)
+            return s, restored["state"], dict(restored["meta"])
+        raise UserError(f"no readable checkpoint in {self.manager.directory} ({'; '.join(errors)})")
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,76 @@
+"""Device mesh `("data", "fsdp", "tensor")` and placement of parameters and batches by rules.
+
+Parameters carry logical axis names; `config.mesh.rules` maps each to mesh axes. A dimension that
+a mesh axis does not divide is replicated instead of failing (small models on big meshes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from nlearn.errors import UserError
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+    """The mesh of `config.mesh` over all devices; one axis may be -1 (the remaining devices)."""
+    n = jax.device_count()
+    sizes = [config.mesh[a] for a in AXES]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n % known:
+            raise UserError(f"mesh: {dict(zip(AXES, sizes))} does not divide the {n} available devices")
+        sizes[sizes.index(-1)] = n // known
+    if math.prod(sizes) != n:
+        raise UserError(f"mesh: data*fsdp*tensor = {math.prod(sizes)} but {n} devices are available "
+                        f"(sizes {dict(zip(AXES, sizes))}; use -1 on one axis to fill)")
+    # Auto axes: the compiler propagates shardings from the placed inputs (jax >= 0.10 defaults
+    # to Explicit, which would demand sharding-aware code in every op).
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def rules_table(config) -> dict:
+    return {name: (tuple(axis) if isinstance(axis, list) else axis)
+            for name, axis in json.loads(config.mesh.rules)}
+
+
+def _mesh_size(mesh, axis) -> int:
+    if axis is None:
+        return 1
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def spec_for(shape, logical_axes, rules: dict, mesh) -> P:
+    """PartitionSpec of an array whose dims carry `logical_axes` (unknown/indivisible: replicated)."""
+    out, used = [], set()
+    for dim, name in zip(shape, logical_axes or (None,) * len(shape)):
+        axis = rules.get(name) if name is not None else None
+        names = axis if isinstance(axis, tuple) else ((axis,) if axis else ())
+        if axis is None or dim % _mesh_size(mesh, axis) or used & set(names):
+            out.append(None)
+        else:
+            out.append(axis)
+            used |= set(names)
+    return P(*out)
+
+
+def param_shardings(abstract_state, logical_specs, rules, mesh):
+    """NamedShardings for a state pytree, from the logical PartitionSpecs NNX reports."""
+    return jax.tree.map(
+        lambda x, spec: NamedSharding(mesh, spec_for(x.shape, tuple(spec), rules, mesh)),
+        abstract_state, logical_specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def batch_sharding(mesh, rules) -> NamedSharding:
+    """Batches `[B, T]` split over the batch axes, sequence replicated."""
+    return NamedSharding(mesh, P(rules.get("batch"), None))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,160 @@
+"""`train_and_evaluate(config, workdir)`: the whole run, resumable at any checkpoint.
+
+Restarting the same command resumes from the newest readable checkpoint (params, optimizer,
+step, RNG, data position, wandb run id), so a killed run loses at most the steps since it.
+SIGTERM / Ctrl-C save a checkpoint at the current step and exit cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import jax
+from absl import logging
+
+from nlearn import config as config_lib
+from nlearn import data
+from nlearn.eval.perplexity import make_evaluator
+from nlearn.train import flops as flops_lib
+from nlearn.train.checkpoint import Checkpointer
+from nlearn.train.metrics import MetricsWriter, Progress, Wandb, plot_losses
+from nlearn.train.state import make_setup
+from nlearn.train.step import make_train_step
+
+
+def maybe_initialize_distributed() -> None:
+    """`jax.distributed.initialize()` when launched as one of several processes."""
+    markers = ("JAX_COORDINATOR_ADDRESS", "NLEARN_DISTRIBUTED", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES")
+    if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
+        return
+    if any(os.environ.get(m) for m in markers) and os.environ.get("SLURM_NTASKS", "2") != "1":
+        jax.distributed.initialize()
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    config_lib.validate(config)
+    maybe_initialize_distributed()
+    os.makedirs(workdir, exist_ok=True)
+    lead = jax.process_index() == 0
+    if lead:
+        config_lib.save_config(config, workdir)
+
+    t = config.train
+    setup = make_setup(config)
+    train_iter = data.make_train_iterator(config, process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+    eval_batches = data.make_eval_batches(config)
+    evaluate = make_evaluator(setup)
+
+    ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    run_id = None
+    if ckpt.steps():
+        step, state, meta = ckpt.restore(setup.abstract_state, train_iter)
+        run_id = meta.get("wandb_run_id")
+        logging.info("resumed from step %d in %s", step, workdir)
+        if lead:
+            print(f"resuming from checkpoint at step {step}", flush=True)
+    else:
+        state, step = setup.init_state(), 0
+    step = int(step)
+
+    tokens_per_step = t.batch_size * t.seq_len
+    peak = t.peak_gflops or flops_lib.measure_matmul_gflops()
+    progress = Progress(t.steps, step, tokens_per_step,
+                        flops_lib.flops_per_token(config.model, setup.n_params, t.seq_len),
+                        peak * 1e9 * jax.device_count(), enabled=lead and config.logging.progress)
+    writer = MetricsWriter(workdir, step) if lead else None
+    wandb = Wandb(config, workdir, run_id) if lead else None
+    meta = {"config": config.to_dict(), "wandb_run_id": wandb.run_id if wandb else run_id}
+    if lead:
+        print(f"{config.model.family}: {setup.n_params / 1e6:.2f}M parameters, mesh "
+              f"{dict(setup.mesh.shape)}, {tokens_per_step} tokens/step, steps {step}->{t.steps}",
+              flush=True)
+
+    train_step = jax.jit(
+        make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),
+        in_shardings=(setup.state_shardings, setup.batch_sharding),
+        out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+    def log(record):
+        if lead:
+            writer.write(record)
+            wandb.log(record, record["step"])
+
+    def run_eval(step):
+        result = evaluate(state["params"], eval_batches)
+        log({"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"],
+             "eval_tokens": result["tokens"]})
+        if lead and config.logging.progress:
+            print(f"eval at step {step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}",
+                  flush=True)
+        return result
+
+    start_time, stopped, compiling = time.perf_counter(), None, True
+    with _StopFlag() as stop:
+        while step < t.steps:
+            state, metrics = train_step(state, setup.put_batch(next(train_iter)))
+            step += 1
+            if compiling:  # exclude compilation from the first throughput figure
+                jax.block_until_ready(metrics)
+                progress.reset_clock(step)
+                compiling = False
+            if step % t.log_every == 0 or step == t.steps:
+                record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                record = progress.update(step, record)
+                record["step"] = step
+                log(record)
+            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                run_eval(step)
+                progress.reset_clock(step)
+            if step % config.checkpoint.every_steps == 0 or step == t.steps:
+                ckpt.save(step, state, train_iter, meta)
+            if stop.signal:
+                stopped = stop.signal
+                ckpt.save(step, state, train_iter, meta, force=True)
+                break
+    ckpt.wait()
+    if stopped:
+        ckpt.close()
+        if lead:
+            print(f"received {stopped}: saved a checkpoint at step {step}; rerun the same command to resume",
+                  flush=True)
+        return {"step": step, "stopped": stopped}
+
+    result = run_eval(step)
+    result["step"] = step
+    result["train_seconds"] = time.perf_counter() - start_time
+    ckpt.close()
+    if lead:
+        with open(os.path.join(workdir, "eval.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        if config.logging.plot:
+            plot_losses(workdir)
+        wandb.finish()
+    return result
