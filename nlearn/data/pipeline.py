@@ -1,0 +1,296 @@
+"""grain pipelines: a checkpointable, infinite training stream of packed token windows, and
+finite, deterministic evaluation batches.
+
+Training: documents of this process's shard -> shuffle (new order every epoch, seeded by
+config.train.seed) -> tokenize (+EOS) -> concatenate and cut into windows of seq_len + 1
+tokens -> batches {"inputs": [B_local, T], "targets": [B_local, T]} (int32). Evaluation: the
+validation documents joined with EOS, cut into consecutive windows, zero-weighted padding.
+"""
+
+import functools
+import math
+import os
+from typing import Any, Mapping, Optional
+
+import grain
+import grain.experimental
+import ml_collections
+import numpy as np
+
+from nlearn.data import cache
+from nlearn.data import sources
+from nlearn.data import stats as stats_lib
+from nlearn.data.corpus import Corpus
+from nlearn.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from nlearn.errors import UserError
+
+_TOKENIZER_VERSION = 1
+Batch = dict[str, np.ndarray]
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, mtime_ns: int) -> Tokenizer:
+    del mtime_ns  # Part of the cache key only: a rewritten file is reloaded.
+    return load_tokenizer(path)
+
+
+def _load(path: str) -> Tokenizer:
+    path = os.path.expanduser(path)
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError as e:
+        raise UserError(f"cannot read tokenizer model {path}: {e.strerror}") from e
+    return _load_cached(path, mtime)
+
+
+def tokenizer_path(config: ml_collections.ConfigDict, corpus: Optional[Corpus] = None) -> str:
+    """Where the tokenizer lives: config.data.tokenizer, or the cache entry for this corpus
+    and vocab_size (which may not exist yet)."""
+    d = config.data
+    if d.tokenizer:
+        return os.path.expanduser(d.tokenizer)
+    corpus = corpus or sources.get_corpus(config)
+    key = cache.short_hash([_TOKENIZER_VERSION, corpus.key, d.vocab_size, d.tokenizer_max_chars])
+    return os.path.join(cache.cache_root(d.cache_dir), "tokenizers",
+                        f"{corpus.key}-v{d.vocab_size}-{key}.model")
+
+
+def get_tokenizer(config: ml_collections.ConfigDict,
+                  corpus: Optional[Corpus] = None) -> Optional[Tokenizer]:
+    """The tokenizer of config.data.tokenizer, or the one trained on the training split (once,
+    then cached). None for corpora that are already tokenized."""
+    corpus = corpus or sources.get_corpus(config)
+    if corpus.vocab_size is not None:
+        return None
+    path = tokenizer_path(config, corpus)
+    if not config.data.tokenizer and not os.path.exists(path):
+        with cache.file_lock(path + ".lock"):
+            if not os.path.exists(path):
+                texts = (record[corpus.text_key] for record in corpus.train)
+                train_tokenizer(texts, path[: -len(".model")], config.data.vocab_size,
+                                max_chars=config.data.tokenizer_max_chars)
+    return _load(path)
+
+
+def vocab_size(config: ml_collections.ConfigDict) -> int:
+    """Number of token ids the model must embed (the tokenizer's, or the token corpus')."""
+    corpus = sources.get_corpus(config)
+    if corpus.vocab_size is not None:
+        return corpus.vocab_size
+    return get_tokenizer(config, corpus).vocab_size
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+class EncodeDocument:
+    """record -> {"tokens": int32 [n + 1]}: the document's ids followed by EOS."""
+
+    def __init__(self, tokenizer: Tokenizer, text_key: str):
+        self.tokenizer, self.text_key = tokenizer, text_key
+
+    def __call__(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        ids = self.tokenizer.encode(record[self.text_key])
+        return {"tokens": np.append(ids, np.int32(self.tokenizer.eos_id))}
+
+
+class TokenRecord:
+    """record of a token corpus -> {"tokens": int32 [n], "weights": float32 [n] (if given)}."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __call__(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        out = {"tokens": np.asarray(record["tokens"], np.int32)}
+        if "weights" in record:
+            out["weights"] = np.asarray(record["weights"], np.float32)
+        return out
+
+
+class CheckWindow:
+    """Unpacked records must be windows of exactly seq_len + 1 tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if len(element["tokens"]) != self.length:
+            raise UserError(f"unpacked source record has {len(element['tokens'])} tokens, "
+                            f"expected train.seq_len + 1 = {self.length}")
+        return element
+
+
+def to_lm_batch(batch: Mapping[str, np.ndarray]) -> Batch:
+    """{"tokens": [B, T+1] (, "weights")} -> next-token inputs/targets (and target weights)."""
+    tokens = batch["tokens"]
+    out = {"inputs": np.ascontiguousarray(tokens[:, :-1], np.int32),
+           "targets": np.ascontiguousarray(tokens[:, 1:], np.int32)}
+    if "weights" in batch:
+        out["weights"] = np.ascontiguousarray(batch["weights"][:, 1:], np.float32)
+    return out
+
+
+def _encoder(corpus: Corpus, tokenizer: Optional[Tokenizer]):
+    return (TokenRecord(corpus.vocab_size) if corpus.vocab_size is not None
+            else EncodeDocument(tokenizer, corpus.text_key))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _shape(config: ml_collections.ConfigDict, process_count: int) -> tuple[int, int]:
+    """(B_local, T) from config.train, checked."""
+    batch, seq_len = int(config.train.batch_size), int(config.train.seq_len)
+    if seq_len < 1 or batch < 1:
+        raise UserError(f"train.batch_size and train.seq_len must be positive, got "
+                        f"{batch} and {seq_len}")
+    if batch % process_count:
+        raise UserError(f"train.batch_size={batch} is not divisible by the {process_count} "
+                        "processes")
+    return batch // process_count, seq_len
+
+
+def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int = 0,
+                        process_count: int = 1) -> grain.DatasetIterator:
+    """Infinite, checkpointable (get_state/set_state) iterator of this process's training
+    batches {"inputs", "targets"}: int32 [batch_size // process_count, seq_len] (+ "weights"
+    float32 for token sources that carry weights)."""
+    d = config.data
+    b_local, seq_len = _shape(config, process_count)
+    if not 0 <= process_index < process_count:
+        raise UserError(f"process_index {process_index} not in [0, {process_count})")
+    corpus = sources.get_corpus(config)
+    encode = _encoder(corpus, get_tokenizer(config, corpus))
+    if len(corpus.train) < process_count:
+        raise UserError(f"{len(corpus.train)} training documents cannot be sharded over "
+                        f"{process_count} processes")
+    ds = grain.MapDataset.source(corpus.train)
+    if process_count > 1:
+        ds = ds[process_index::process_count]
+    seed = int(config.train.seed) + int(d.shuffle_seed_offset)
+    ds = ds.shuffle(seed=seed).repeat(None).map(encode)
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=int(d.read_threads),
+                                              prefetch_buffer_size=int(d.prefetch_buffer)))
+    if corpus.pack:
+        lengths = {"tokens": seq_len + 1}
+        if corpus.vocab_size is not None and "weights" in encode(corpus.train[0]):
+            lengths["weights"] = seq_len + 1
+        it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct=lengths)
+    else:
+        it = it.map(CheckWindow(seq_len + 1))
+    it = it.batch(b_local, drop_remainder=True).map(to_lm_batch)
+    if int(d.num_workers) > 0:
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(d.num_workers)))
+    return iter(it)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _stats(config: ml_collections.ConfigDict):
+    """(corpus, tokenizer, token statistics) for this config, statistics cached."""
+    corpus = sources.get_corpus(config)
+    tokenizer = get_tokenizer(config, corpus)
+    vocab = corpus.vocab_size if tokenizer is None else tokenizer.vocab_size
+    tok_key = "tokens" if tokenizer is None else f"sp{tokenizer.fingerprint}"
+    encode = _encoder(corpus, tokenizer)
+    st = stats_lib.token_stats(corpus, lambda r: encode(r)["tokens"], vocab, tok_key,
+                               config.data.cache_dir, int(config.data.stats_max_docs))
+    return corpus, tokenizer, st
+
+
+def _windows_from_stream(stream: np.ndarray, seq_len: int, n_eval: int, pad_id: int):
+    """Consecutive windows covering the first n_eval targets of the stream:
+    (inputs [N, T], targets [N, T], weights [N, T]) with pad_id / weight 0 past the end."""
+    n_win = math.ceil(n_eval / seq_len)
+    padded = np.full(n_win * seq_len + 1, pad_id, np.int32)
+    take = min(len(stream), len(padded))
+    padded[:take] = stream[:take]
+    inputs = padded[:-1].reshape(n_win, seq_len)
+    targets = padded[1:].reshape(n_win, seq_len)
+    weights = (np.arange(n_win * seq_len) < n_eval).astype(np.float32).reshape(n_win, seq_len)
+    return inputs, targets, weights
+
+
+def _eval_rows(config: ml_collections.ConfigDict):
+    """All evaluation rows (inputs, targets, weights), each [N, T], before batching."""
+    corpus, tokenizer, st = _stats(config)
+    seq_len = int(config.train.seq_len)
+    cap = int(config.data.eval_tokens)
+    if corpus.pack:
+        available = max(len(st.validation_stream) - 1, 0)
+        n_eval = min(available, cap) if cap > 0 else available
+        return _windows_from_stream(st.validation_stream, seq_len, n_eval, pad_id=0)
+    encode = _encoder(corpus, tokenizer)
+    n_rec = len(corpus.validation)
+    if cap > 0:
+        n_rec = min(n_rec, math.ceil(cap / seq_len))
+    rows = [CheckWindow(seq_len + 1)(encode(corpus.validation[i])) for i in range(n_rec)]
+    batch = to_lm_batch({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+    weights = batch.get("weights", np.ones_like(batch["targets"], np.float32))
+    if cap > 0:  # Zero the weights past the cap, counting only weighted targets.
+        weights = np.where(np.cumsum(weights > 0).reshape(weights.shape) <= cap, weights, 0.0)
+    return batch["inputs"], batch["targets"], weights.astype(np.float32)
+
+
+def make_eval_batches(config: ml_collections.ConfigDict, *, process_index: int = 0,
+                      process_count: int = 1) -> list[Batch]:
+    """Finite, deterministic validation batches {"inputs", "targets": int32 [B_local, T],
+    "weights": float32 [B_local, T] (1 = real target, 0 = padding)} covering up to
+    data.eval_tokens targets. Every process gets the same number of batches (its rows)."""
+    b_local, seq_len = _shape(config, process_count)
+    batch = b_local * process_count
+    inputs, targets, weights = _eval_rows(config)
+    n_batches = max(1, math.ceil(len(inputs) / batch))
+    pad_rows = n_batches * batch - len(inputs)
+
+    def pad(x):
+        return np.concatenate([x, np.zeros((pad_rows, seq_len), x.dtype)])
+
+    inputs, targets, weights = pad(inputs), pad(targets), pad(weights)
+    lo = process_index * b_local
+    out = []
+    for i in range(n_batches):
+        rows = slice(i * batch + lo, i * batch + lo + b_local)
+        out.append({"inputs": inputs[rows], "targets": targets[rows], "weights": weights[rows]})
+    return out
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def describe(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Sizes for logging: documents and tokens per split, evaluated tokens, vocabulary."""
+    corpus, tokenizer, st = _stats(config)
+    n_eval = int(sum(b["weights"].sum() for b in make_eval_batches(config)))
+    return {
+        "source": config.data.source,
+        "corpus": corpus.key,
+        "description": corpus.description,
+        "tokenizer": tokenizer.path if tokenizer is not None else "",
+        "vocab_size": corpus.vocab_size if tokenizer is None else tokenizer.vocab_size,
+        "train_docs": st.train_docs,
+        "train_tokens": st.train_tokens,
+        "validation_docs": st.validation_docs,
+        "validation_tokens": st.validation_tokens,
+        "eval_tokens": n_eval,
+        "approximate": st.approximate,
+    }
+
+
+def unigram_perplexity(config: ml_collections.ConfigDict) -> float:
+    """Perplexity on the evaluated validation targets of an add-one-smoothed unigram model
+    fit on the training tokens: the score an LM must beat to have learned anything."""
+    _, _, st = _stats(config)
+    counts = st.train_counts.astype(np.float64)
+    log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
+    nll, n = 0.0, 0.0
+    for b in make_eval_batches(config):
+        nll -= float((b["weights"] * log_p[b["targets"]]).sum())
+        n += float(b["weights"].sum())
+    if n == 0:
+        raise UserError("no validation tokens to evaluate (data.eval_tokens or the split is empty)")
+    return float(np.exp(nll / n))
