@@ -12,6 +12,7 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
+from absl import flags
 import grain
 import grain.experimental
 import ml_collections
@@ -183,6 +184,10 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
         it = it.map(CheckWindow(seq_len + 1))
     it = it.batch(b_local, drop_remainder=True).map(to_lm_batch)
     if int(d.num_workers) > 0:
+        if not flags.FLAGS.is_parsed():
+            # grain <= 0.2.18 reads an absl flag in mp_prefetch and fails when flags were never
+            # parsed (library use outside absl.app: tests, notebooks); google/grain#1355.
+            flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(d.num_workers)))
     return iter(it)
 
@@ -190,16 +195,29 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _stats(config: ml_collections.ConfigDict):
-    """(corpus, tokenizer, token statistics) for this config, statistics cached."""
-    corpus = sources.get_corpus(config)
-    tokenizer = get_tokenizer(config, corpus)
-    vocab = corpus.vocab_size if tokenizer is None else tokenizer.vocab_size
-    tok_key = "tokens" if tokenizer is None else f"sp{tokenizer.fingerprint}"
-    encode = _encoder(corpus, tokenizer)
-    st = stats_lib.token_stats(corpus, lambda r: encode(r)["tokens"], vocab, tok_key,
-                               config.data.cache_dir, int(config.data.stats_max_docs))
-    return corpus, tokenizer, st
+class _Context:
+    """What evaluation and statistics need: the corpus, its tokenizer (None for token
+    corpora), the vocabulary size, and a record -> ids (EOS included) function."""
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        self.corpus = sources.get_corpus(config)
+        self.tokenizer = get_tokenizer(config, self.corpus)
+        self.vocab = (self.corpus.vocab_size if self.tokenizer is None
+                      else self.tokenizer.vocab_size)
+        self.tok_key = "tokens" if self.tokenizer is None else f"sp{self.tokenizer.fingerprint}"
+        encoder = _encoder(self.corpus, self.tokenizer)
+        self.encode = lambda record: encoder(record)["tokens"]
+
+    def validation_stream(self):
+        d = self.config.data
+        return stats_lib.validation_stream(self.corpus, self.encode, self.tok_key, d.cache_dir,
+                                           int(d.stats_max_docs))
+
+    def train_counts(self):
+        d = self.config.data
+        return stats_lib.train_counts(self.corpus, self.encode, self.vocab, self.tok_key,
+                                      d.cache_dir, int(d.stats_max_docs))
 
 
 def _windows_from_stream(stream: np.ndarray, seq_len: int, n_eval: int, pad_id: int):
@@ -217,13 +235,15 @@ def _windows_from_stream(stream: np.ndarray, seq_len: int, n_eval: int, pad_id: 
 
 def _eval_rows(config: ml_collections.ConfigDict):
     """All evaluation rows (inputs, targets, weights), each [N, T], before batching."""
-    corpus, tokenizer, st = _stats(config)
+    ctx = _Context(config)
+    corpus, tokenizer = ctx.corpus, ctx.tokenizer
     seq_len = int(config.train.seq_len)
     cap = int(config.data.eval_tokens)
     if corpus.pack:
-        available = max(len(st.validation_stream) - 1, 0)
+        _, stream = ctx.validation_stream()
+        available = max(len(stream) - 1, 0)
         n_eval = min(available, cap) if cap > 0 else available
-        return _windows_from_stream(st.validation_stream, seq_len, n_eval, pad_id=0)
+        return _windows_from_stream(stream, seq_len, n_eval, pad_id=0)
     encode = _encoder(corpus, tokenizer)
     n_rec = len(corpus.validation)
     if cap > 0:
@@ -263,29 +283,32 @@ def make_eval_batches(config: ml_collections.ConfigDict, *, process_index: int =
 
 
 def describe(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Sizes for logging: documents and tokens per split, evaluated tokens, vocabulary."""
-    corpus, tokenizer, st = _stats(config)
+    """Sizes for logging: documents and tokens per split, evaluated tokens, vocabulary.
+    The first call per corpus and tokenizer tokenizes the training split (then cached)."""
+    ctx = _Context(config)
+    val_meta, _ = ctx.validation_stream()
+    train_meta, _ = ctx.train_counts()
     n_eval = int(sum(b["weights"].sum() for b in make_eval_batches(config)))
     return {
         "source": config.data.source,
-        "corpus": corpus.key,
-        "description": corpus.description,
-        "tokenizer": tokenizer.path if tokenizer is not None else "",
-        "vocab_size": corpus.vocab_size if tokenizer is None else tokenizer.vocab_size,
-        "train_docs": st.train_docs,
-        "train_tokens": st.train_tokens,
-        "validation_docs": st.validation_docs,
-        "validation_tokens": st.validation_tokens,
+        "corpus": ctx.corpus.key,
+        "description": ctx.corpus.description,
+        "tokenizer": ctx.tokenizer.path if ctx.tokenizer is not None else "",
+        "vocab_size": ctx.vocab,
+        "train_docs": train_meta["train_docs"],
+        "train_tokens": train_meta["train_tokens"],
+        "validation_docs": val_meta["validation_docs"],
+        "validation_tokens": val_meta["validation_tokens"],
         "eval_tokens": n_eval,
-        "approximate": st.approximate,
+        "approximate": train_meta["train_approximate"] or val_meta["validation_approximate"],
     }
 
 
 def unigram_perplexity(config: ml_collections.ConfigDict) -> float:
     """Perplexity on the evaluated validation targets of an add-one-smoothed unigram model
     fit on the training tokens: the score an LM must beat to have learned anything."""
-    _, _, st = _stats(config)
-    counts = st.train_counts.astype(np.float64)
+    _, counts = _Context(config).train_counts()
+    counts = counts.astype(np.float64)
     log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
     nll, n = 0.0, 0.0
     for b in make_eval_batches(config):

@@ -1,13 +1,16 @@
-"""Token statistics of a corpus under a tokenizer, computed once and cached on disk:
-document and token counts per split, unigram counts of the training split, and the
-validation token stream (documents joined with EOS) that evaluation windows are cut from."""
+"""Token statistics of a corpus under a tokenizer, computed once and cached on disk.
 
-import dataclasses
+Two entries, because their costs differ: the validation token stream (documents joined with
+EOS, what evaluation windows are cut from; cheap, needed by every run) and the training
+counts (token totals and unigram counts; a pass over the whole training split, needed only by
+describe and unigram_perplexity).
+"""
+
 import json
 import os
 import shutil
 import time
-from typing import Callable, Mapping, Any
+from typing import Any, Callable, Mapping
 
 from absl import logging
 import numpy as np
@@ -16,76 +19,79 @@ from nlearn.data import cache
 from nlearn.data.corpus import Corpus
 
 _VERSION = 1
+Encode = Callable[[Mapping[str, Any]], np.ndarray]
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenStats:
-    """Counts per split (extrapolated when only the first `max_docs` documents were read)."""
-
-    train_docs: int
-    train_tokens: int
-    validation_docs: int
-    validation_tokens: int
-    approximate: bool
-    train_counts: np.ndarray  # int64 [vocab_size]: occurrences of each id in the training tokens.
-    validation_stream: np.ndarray  # int32 [n]: validation documents' tokens, concatenated.
+def _folder(corpus: Corpus, what: str, tokenizer_key: str, cache_dir: str, params) -> str:
+    key = f"{corpus.key}-{tokenizer_key}-{what}-{cache.short_hash([_VERSION, params], 8)}"
+    return os.path.join(cache.cache_root(cache_dir), "stats", key)
 
 
-def _scan(split, encode: Callable[[Mapping[str, Any]], np.ndarray], max_docs: int,
-          vocab_size: int, keep_stream: bool):
-    """(docs read, tokens read, counts [V], stream or None) over the first max_docs records."""
-    n = min(len(split), max_docs)
-    counts = np.zeros(vocab_size, np.int64)
-    pieces, total = [], 0
-    for i in range(n):
-        ids = encode(split[i])
-        total += len(ids)
-        counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
-        if keep_stream:
-            pieces.append(ids)
-    stream = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
-    return n, total, counts, stream
+def _cached(folder: str, compute: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict]:
+    """(meta, arrays) from `folder`, running `compute` and writing it atomically if missing."""
+    meta_path = os.path.join(folder, "meta.json")
+    if not os.path.exists(meta_path):
+        with cache.file_lock(folder + ".lock"):
+            if not os.path.exists(meta_path):
+                t0 = time.time()
+                meta, arrays = compute()
+                tmp = f"{folder}.tmp{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+                for name, array in arrays.items():
+                    np.save(os.path.join(tmp, f"{name}.npy"), array)
+                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                    json.dump(meta, f)
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+                logging.info("token statistics %s in %.1f s: %s", os.path.basename(folder),
+                             time.time() - t0, meta)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    arrays = {n[:-4]: np.load(os.path.join(folder, n)) for n in os.listdir(folder)
+              if n.endswith(".npy")}
+    return meta, arrays
 
 
 def _extrapolate(count: int, read: int, total: int) -> int:
     return count if read >= total or read == 0 else int(round(count * total / read))
 
 
-def token_stats(corpus: Corpus, encode: Callable[[Mapping[str, Any]], np.ndarray],
-                vocab_size: int, tokenizer_key: str, cache_dir: str,
-                max_docs: int) -> TokenStats:
-    """Statistics of `corpus` with `encode` (record -> ids, EOS included), cached under
-    cache_dir/stats keyed by the corpus, the tokenizer and max_docs."""
-    key = f"{corpus.key}-{tokenizer_key}-{cache.short_hash([_VERSION, max_docs, vocab_size], 8)}"
-    folder = os.path.join(cache.cache_root(cache_dir), "stats", key)
-    meta_path = os.path.join(folder, "meta.json")
-    if not os.path.exists(meta_path):
-        with cache.file_lock(folder + ".lock"):
-            if not os.path.exists(meta_path):
-                _compute(corpus, encode, vocab_size, max_docs, folder)
-    with open(meta_path) as f:
-        meta = json.load(f)
-    return TokenStats(train_counts=np.load(os.path.join(folder, "train_counts.npy")),
-                      validation_stream=np.load(os.path.join(folder, "validation_tokens.npy")),
-                      **meta)
+def validation_stream(corpus: Corpus, encode: Encode, tokenizer_key: str, cache_dir: str,
+                      max_docs: int) -> tuple[dict, np.ndarray]:
+    """({"validation_docs", "validation_tokens", "approximate"}, int32 stream of the first
+    max_docs validation documents' ids, concatenated)."""
+
+    def compute():
+        n = min(len(corpus.validation), max_docs)
+        pieces = [encode(corpus.validation[i]) for i in range(n)]
+        stream = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        meta = {"validation_docs": len(corpus.validation),
+                "validation_tokens": _extrapolate(len(stream), n, len(corpus.validation)),
+                "validation_approximate": n < len(corpus.validation)}
+        return meta, {"stream": stream}
+
+    meta, arrays = _cached(_folder(corpus, "val", tokenizer_key, cache_dir, max_docs), compute)
+    return meta, arrays["stream"]
 
 
-def _compute(corpus, encode, vocab_size, max_docs, folder) -> None:
-    """Tokenize both splits and write the statistics folder atomically."""
-    t0 = time.time()
-    n_tr, tok_tr, counts, _ = _scan(corpus.train, encode, max_docs, vocab_size, False)
-    n_va, tok_va, _, stream = _scan(corpus.validation, encode, max_docs, vocab_size, True)
-    meta = dict(train_docs=len(corpus.train), validation_docs=len(corpus.validation),
-                train_tokens=_extrapolate(tok_tr, n_tr, len(corpus.train)),
-                validation_tokens=_extrapolate(tok_va, n_va, len(corpus.validation)),
-                approximate=n_tr < len(corpus.train) or n_va < len(corpus.validation))
-    tmp = f"{folder}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    np.save(os.path.join(tmp, "train_counts.npy"), counts)
-    np.save(os.path.join(tmp, "validation_tokens.npy"), stream)
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    logging.info("token statistics of %s in %.1f s: %s", corpus.key, time.time() - t0, meta)
+def train_counts(corpus: Corpus, encode: Encode, vocab_size: int, tokenizer_key: str,
+                 cache_dir: str, max_docs: int) -> tuple[dict, np.ndarray]:
+    """({"train_docs", "train_tokens", "approximate"}, int64 [vocab_size] occurrences of each
+    id in the first max_docs training documents)."""
+
+    def compute():
+        n = min(len(corpus.train), max_docs)
+        counts, total = np.zeros(vocab_size, np.int64), 0
+        for i in range(n):
+            ids = encode(corpus.train[i])
+            total += len(ids)
+            counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+        meta = {"train_docs": len(corpus.train),
+                "train_tokens": _extrapolate(total, n, len(corpus.train)),
+                "train_approximate": n < len(corpus.train)}
+        return meta, {"counts": counts}
+
+    folder = _folder(corpus, "train", tokenizer_key, cache_dir, [max_docs, vocab_size])
+    meta, arrays = _cached(folder, compute)
+    return meta, arrays["counts"]

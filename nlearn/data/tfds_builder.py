@@ -7,6 +7,7 @@ hash of the files' paths, sizes and mtimes and of the split) and read back with
 
 import contextlib
 import dataclasses
+import io
 import os
 import time
 from typing import Iterator, Sequence
@@ -72,13 +73,15 @@ class NlearnCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 @contextlib.contextmanager
 def _quiet_tfds() -> Iterator[None]:
-    """Silence tfds' progress bars and chatty logs ('custom data configuration', 'Load dataset
-    info') around our calls into it."""
+    """Silence tfds' progress bars, its stdout banners ('Downloading and preparing dataset')
+    and chatty logs ('custom data configuration', 'Load dataset info') around our calls;
+    stdout stays clean for the CLIs' results."""
     verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.ERROR)
     tfds.disable_progress_bar()
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
     finally:
         logging.set_verbosity(verbosity)
         tfds.enable_progress_bar()
