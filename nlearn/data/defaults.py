@@ -59,5 +59,5 @@ def data_config() -> ml_collections.ConfigDict:
     # split and extrapolate counts beyond it (large tfds datasets); tokenizer training reads
     # at most tokenizer_max_chars characters of the training split.
     c.stats_max_docs = 100_000
-    c.tokenizer_max_chars = 200_000_000
+    c.tokenizer_max_chars = 100_000_000
     return c

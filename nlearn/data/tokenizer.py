@@ -13,6 +13,7 @@ import itertools
 import os
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
+from absl import logging
 import numpy as np
 import sentencepiece as spm
 
@@ -24,6 +25,8 @@ NEWLINE = "\n"
 # sentencepiece drops training sentences longer than max_sentence_length bytes; long lines
 # (paragraphs) are cut at a space before this many characters.
 _MAX_LINE_CHARS = 4000
+# Character coverages tried in turn when the vocabulary cannot hold every required character.
+_FALLBACK_COVERAGES = (0.999, 0.995, 0.99, 0.98, 0.95, 0.9, 0.8)
 # Smallest useful vocabulary: 5 special pieces + 256 bytes + some merges.
 MIN_VOCAB_SIZE = 300
 
@@ -67,22 +70,39 @@ def train_tokenizer(texts_or_files: Iterable[TextOrFile], model_prefix: str, voc
                     *, max_chars: Optional[int] = None, num_threads: Optional[int] = None,
                     character_coverage: float = 0.9995) -> str:
     """Train a BPE model on the texts (str/bytes) or files (os.PathLike); write
-    `{model_prefix}.model` atomically and return its path. Always trains; callers cache."""
+    `{model_prefix}.model` atomically and return its path. Always trains; callers cache.
+
+    When the vocabulary is too small for every character the coverage asks for (small
+    vocab_size on a varied text), the coverage is lowered step by step: the rarest characters
+    are then written as bytes."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise UserError(f"data.vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    proto = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sentence_iterator(texts_or_files, max_chars), model_writer=proto,
-            vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
-            pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-            user_defined_symbols=[NEWLINE], normalization_rule_name="identity",
-            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
-            character_coverage=character_coverage, max_sentence_length=4 * _MAX_LINE_CHARS + 16,
-            num_threads=num_threads or min(16, os.cpu_count() or 1), minloglevel=2)
-    except RuntimeError as e:
-        raise UserError(f"sentencepiece training failed (vocab_size={vocab_size}): "
-                        f"{str(e).strip().splitlines()[-1]}") from e
+    sentences = list(sentence_iterator(texts_or_files, max_chars))  # retries re-read them
+    if not sentences:
+        raise UserError("no text to train the tokenizer on")
+    coverages = [character_coverage] + [c for c in _FALLBACK_COVERAGES if c < character_coverage]
+    for coverage in coverages:
+        proto = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=proto,
+                vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+                pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+                user_defined_symbols=[NEWLINE], normalization_rule_name="identity",
+                remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+                split_digits=True, character_coverage=coverage,
+                max_sentence_length=4 * _MAX_LINE_CHARS + 16,
+                num_threads=num_threads or min(16, os.cpu_count() or 1), minloglevel=2)
+            break
+        except RuntimeError as e:
+            why = str(e).strip().splitlines()[-1]
+            if "required_chars" in why and coverage != coverages[-1]:
+                continue
+            raise UserError(f"sentencepiece training failed (vocab_size={vocab_size}): "
+                            f"{why}") from e
+    if coverage != character_coverage:
+        logging.info("tokenizer: character_coverage lowered to %s to fit vocab_size=%d",
+                     coverage, vocab_size)
     path = f"{model_prefix}.model"
     cache.atomic_write_bytes(os.path.abspath(path), proto.getvalue())
     return path

@@ -1,0 +1,65 @@
+"""Helpers shared by the data tests (a module, not conftest, so tests can import it by name)."""
+
+import os
+
+import ml_collections
+import numpy as np
+
+from nlearn.data import Corpus, data_config
+
+WORDS = ("the of and to in a that is for be it by with as on this not which we our have are "
+         "congress nation people states government year law public war peace power great "
+         "citizens country upon must shall time new made world act duty union right free "
+         "lord king love night hath thou thee doth speak heart sweet death fair honour").split()
+
+
+def config(cache_dir: str, batch_size: int = 4, seq_len: int = 64, seed: int = 0, **data):
+    """A full config (data + train sections) with a small vocabulary and the given cache."""
+    c = ml_collections.ConfigDict()
+    c.data = data_config()
+    c.data.cache_dir = cache_dir
+    c.data.vocab_size = 512
+    c.data.update(data)
+    c.train = ml_collections.ConfigDict({"batch_size": batch_size, "seq_len": seq_len,
+                                         "seed": seed})
+    return c
+
+
+def write_docs(folder: str, n_docs: int, seed: int = 0) -> list[str]:
+    """n_docs pseudo-random English-ish documents (20-60 lines); returns their texts."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    texts = []
+    for i in range(n_docs):
+        lines = [" ".join(rng.choice(WORDS, size=rng.integers(3, 15))).capitalize() + "."
+                 for _ in range(rng.integers(20, 60))]
+        text = "\n".join(lines) + "\n"
+        with open(os.path.join(folder, f"doc{i:02d}.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+        texts.append(text)
+    return texts
+
+
+TOKEN_DOC_LENGTHS = [3 + (i * 7) % 40 for i in range(12)]
+
+
+def token_corpus(config) -> Corpus:
+    """12 training documents, document i = TOKEN_DOC_LENGTHS[i] copies of id 10 + i, so the
+    document order of a packed stream can be read off its tokens."""
+    del config
+    train = [{"tokens": np.full(n, 10 + i, np.int32)} for i, n in enumerate(TOKEN_DOC_LENGTHS)]
+    validation = [{"tokens": np.arange(20, dtype=np.int32) % 7 + 5}]
+    return Corpus(key="test-tokens", train=train, validation=validation, vocab_size=64)
+
+
+def stream_of(batches) -> np.ndarray:
+    """The packed token stream behind consecutive batches (each row is one window)."""
+    rows = [np.concatenate([b["inputs"][i], b["targets"][i][-1:]])
+            for b in batches for i in range(len(b["inputs"]))]
+    return np.concatenate(rows)
+
+
+def runs(stream: np.ndarray) -> list[int]:
+    """Values of the maximal runs of equal tokens, in order."""
+    keep = np.concatenate([[True], stream[1:] != stream[:-1]])
+    return [int(x) for x in stream[keep]]

@@ -1,0 +1,168 @@
+"""grain pipelines: packing, determinism, exact resume, sharding, evaluation, statistics."""
+
+import math
+
+import numpy as np
+import pytest
+
+from data_helpers import TOKEN_DOC_LENGTHS, runs, stream_of
+from nlearn.data import (describe, get_tokenizer, make_eval_batches, make_train_iterator,
+                         unigram_perplexity)
+from nlearn.errors import UserError
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+@pytest.fixture(scope="module")
+def builtin(make_config):
+    return make_config(source="builtin", batch_size=4, seq_len=128)
+
+
+def test_builtin_batches_are_packed_windows(builtin):
+    batches = take(make_train_iterator(builtin), 3)
+    for b in batches:
+        assert set(b) == {"inputs", "targets"}
+        assert b["inputs"].shape == b["targets"].shape == (4, 128)
+        assert b["inputs"].dtype == b["targets"].dtype == np.int32
+        np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+    tokenizer = get_tokenizer(builtin)
+    assert tokenizer.vocab_size == 512
+    stream = stream_of(batches)
+    assert stream.min() >= 1 and stream.max() < 512  # no padding inside the training stream
+    assert len(tokenizer.decode(stream)) > 1000
+
+
+def test_determinism_and_seed(builtin):
+    a = take(make_train_iterator(builtin), 3)
+    assert_same(a, take(make_train_iterator(builtin), 3))
+    other = builtin.copy_and_resolve_references()
+    other.train.seed = 1
+    b = take(make_train_iterator(other), 3)
+    assert any(not np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b))
+
+
+def test_resume_mid_run_builtin(builtin):
+    it = make_train_iterator(builtin)
+    take(it, 5)
+    state = it.get_state()
+    expected = take(it, 4)
+    resumed = make_train_iterator(builtin)
+    resumed.set_state(state)
+    assert_same(expected, take(resumed, 4))
+
+
+def test_epochs_reshuffle_and_resume_across_epochs(make_config, token_source):
+    config = make_config(source=token_source, batch_size=4, seq_len=16)
+    n_docs, total = len(TOKEN_DOC_LENGTHS), sum(TOKEN_DOC_LENGTHS)
+    batches_per_epoch = total / (4 * 17)
+    it = make_train_iterator(config)
+    batches = take(it, int(3 * batches_per_epoch))
+    order = runs(stream_of(batches))
+    epoch1, epoch2 = order[:n_docs], order[n_docs:2 * n_docs]
+    assert sorted(epoch1) == sorted(epoch2) == list(range(10, 10 + n_docs))
+    assert epoch1 != epoch2 and epoch1 != sorted(epoch1)
+    # Resume from a state taken late in epoch 1: identical batches through epochs 2 and 3.
+    it = make_train_iterator(config)
+    take(it, int(batches_per_epoch) - 1)
+    state = it.get_state()
+    expected = take(it, 2 * int(batches_per_epoch))
+    resumed = make_train_iterator(config)
+    resumed.set_state(state)
+    assert_same(expected, take(resumed, len(expected)))
+
+
+def test_process_shards_are_disjoint(make_config, token_source, builtin):
+    config = make_config(source=token_source, batch_size=4, seq_len=16)
+    seen = []
+    for p in range(2):
+        batches = take(make_train_iterator(config, process_index=p, process_count=2), 12)
+        assert batches[0]["inputs"].shape == (2, 16)
+        seen.append(set(runs(stream_of(batches))))
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == set(range(10, 10 + len(TOKEN_DOC_LENGTHS)))
+    b = [next(make_train_iterator(builtin, process_index=p, process_count=2)) for p in range(2)]
+    assert b[0]["inputs"].shape == (2, 128)
+    assert not np.array_equal(b[0]["inputs"], b[1]["inputs"])
+    with pytest.raises(UserError, match="not divisible"):
+        make_train_iterator(builtin, process_index=0, process_count=3)
+
+
+def test_multiprocess_prefetch_matches_in_process(make_config, token_source):
+    config = make_config(source=token_source, batch_size=4, seq_len=16)
+    expected = take(make_train_iterator(config), 8)
+    config.data.num_workers = 1
+    it = make_train_iterator(config)
+    try:
+        got = take(it, 4)
+        state = it.get_state()
+        got += take(it, 4)
+        assert_same(expected, got)
+    finally:
+        it.close()
+    it = make_train_iterator(config)
+    try:
+        it.set_state(state)
+        assert_same(expected[4:], take(it, 4))
+    finally:
+        it.close()
+
+
+def test_eval_batches(make_config, text_glob):
+    config = make_config(source="text", path=text_glob, vocab_size=300, batch_size=4,
+                         seq_len=32, eval_tokens=900)
+    batches = make_eval_batches(config)
+    assert_same(batches, make_eval_batches(config))  # deterministic
+    assert len(batches) == math.ceil(math.ceil(900 / 32) / 4)  # 29 windows, 8 batches
+    for b in batches:
+        assert b["inputs"].shape == b["targets"].shape == b["weights"].shape == (4, 32)
+        assert b["weights"].dtype == np.float32 and set(np.unique(b["weights"])) <= {0.0, 1.0}
+        np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+    assert sum(b["weights"].sum() for b in batches) == 900
+    last = batches[-1]["weights"]
+    assert last[0].sum() == 900 - 28 * 32 and last[0, :4].all()  # the cap cuts the 29th window
+    assert last[1:].sum() == 0  # padding rows weigh nothing
+    # eval_tokens=0: the whole validation split, every real token weighted once.
+    config.data.eval_tokens = 0
+    info = describe(config)
+    full = make_eval_batches(config)
+    assert sum(b["weights"].sum() for b in full) == info["validation_tokens"] - 1
+    assert info["eval_tokens"] == info["validation_tokens"] - 1
+    # Two processes split each global batch's rows; every process gets the same count.
+    halves = [make_eval_batches(config, process_index=p, process_count=2) for p in range(2)]
+    assert len(halves[0]) == len(halves[1]) == len(full)
+    np.testing.assert_array_equal(np.concatenate([halves[0][0]["inputs"],
+                                                  halves[1][0]["inputs"]]), full[0]["inputs"])
+
+
+def test_describe_and_unigram_perplexity(make_config, text_glob):
+    config = make_config(source="text", path=text_glob, vocab_size=300, batch_size=4,
+                         seq_len=32)
+    info = describe(config)
+    assert info["train_docs"] + info["validation_docs"] == 16
+    assert info["validation_docs"] >= 1 and info["train_tokens"] > info["validation_tokens"] > 0
+    assert info["vocab_size"] == 300 and not info["approximate"]
+    ppl = unigram_perplexity(config)
+    assert math.isfinite(ppl) and 1.0 < ppl < 300
+    assert unigram_perplexity(config) == ppl
+
+
+def test_unpacked_token_source_eval(make_config, token_source):
+    config = make_config(source=token_source, batch_size=2, seq_len=8)
+    batches = make_eval_batches(config)  # one validation window of 20 tokens, packed stream
+    assert sum(b["weights"].sum() for b in batches) == 19
+    assert math.isfinite(unigram_perplexity(config))
+
+
+def test_config_errors(make_config):
+    with pytest.raises(UserError, match="positive"):
+        make_train_iterator(make_config(source="builtin", seq_len=0))
