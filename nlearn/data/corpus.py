@@ -21,7 +21,8 @@ class Corpus:
     train, validation: random-access sequences (len, getitem) of records (mappings).
       Text corpora (`vocab_size is None`): record[text_key] is a str or UTF-8 bytes document.
       Token corpora (`vocab_size` set): record["tokens"] is an int array and the optional
-      record["weights"] (same length) weighs each token as a prediction target.
+      record["weights"] (same length, unpacked corpora only) weighs each token as a prediction
+      target; batches then carry "weights" for the targets.
     pack: True = concatenate documents (text documents each followed by EOS) and cut the stream
       into windows of seq_len + 1 tokens; False = each record is exactly one such window.
     """
@@ -37,10 +38,13 @@ class Corpus:
 
 @dataclasses.dataclass(frozen=True)
 class DocFile:
-    """One document file: a stable name (used for the split hash) and its path."""
+    """One document: a stable name (used for the split hash), its file, and optionally the
+    byte range [start, end) of that file it covers (end = -1: to the end of the file)."""
 
     doc_id: str
     path: str
+    start: int = 0
+    end: int = -1
 
 
 def _package_dir(package: str) -> Optional[str]:
@@ -73,23 +77,49 @@ def builtin_files(include_shakespeare: bool = True) -> list[DocFile]:
     return files
 
 
-def text_files(pattern: str) -> list[DocFile]:
+def text_files(pattern: str, doc_bytes: int = 0) -> list[DocFile]:
     """Non-empty regular files matching the glob (`**` allowed), named by their path relative
-    to the files' common directory. UserError when nothing usable matches."""
+    to the files' common directory; with doc_bytes > 0, files larger than that are cut into
+    parts of about doc_bytes at line breaks ('name@k'). UserError when nothing usable matches."""
     if not pattern:
         raise UserError("data.source='text' needs data.path, a glob of text files")
     expanded = os.path.expanduser(pattern)
     paths = sorted(os.path.abspath(p) for p in glob.glob(expanded, recursive=True)
                    if os.path.isfile(p))
     if not paths:
-        raise UserError(f"data.path {pattern!r} matches no files")
+        hint = f" (a directory: use '{pattern.rstrip('/')}/*.txt')" if os.path.isdir(expanded) else ""
+        raise UserError(f"data.path {pattern!r} matches no files{hint}")
     nonempty = [p for p in paths if os.path.getsize(p) > 0]
     if not nonempty:
         raise UserError(f"data.path {pattern!r} matches only empty files")
     if len(nonempty) < len(paths):
         logging.info("data.path %r: skipping %d empty file(s)", pattern, len(paths) - len(nonempty))
     root = os.path.dirname(nonempty[0]) if len(nonempty) == 1 else os.path.commonpath(nonempty)
-    return [DocFile(os.path.relpath(p, root), p) for p in nonempty]
+    docs = []
+    for p in nonempty:
+        name = os.path.relpath(p, root)
+        if doc_bytes > 0 and os.path.getsize(p) > doc_bytes:
+            cuts = _line_cuts(p, doc_bytes)
+            docs += [DocFile(f"{name}@{k}", p, a, b) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        else:
+            docs.append(DocFile(name, p))
+    return docs
+
+
+def _line_cuts(path: str, part_bytes: int) -> list[int]:
+    """Byte offsets [0, ..., size] cutting the file after the first newline at or beyond each
+    multiple of part_bytes (UTF-8 safe: a newline byte never sits inside a character)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    cuts, pos = [0], part_bytes
+    while pos < len(raw):
+        nl = raw.find(b"\n", pos - 1)
+        if nl < 0:
+            break
+        if nl + 1 < len(raw):
+            cuts.append(nl + 1)
+        pos = nl + 1 + part_bytes
+    return cuts + [len(raw)]
 
 
 def files_fingerprint(files: Sequence[DocFile]) -> list:
@@ -100,17 +130,17 @@ def files_fingerprint(files: Sequence[DocFile]) -> list:
             st = os.stat(f.path)
         except OSError as e:
             raise UserError(f"cannot read data file {f.path}: {e.strerror}") from e
-        out.append([f.doc_id, os.path.abspath(f.path), st.st_size, st.st_mtime_ns])
+        out.append([f.doc_id, os.path.abspath(f.path), st.st_size, st.st_mtime_ns, f.start, f.end])
     return out
 
 
-def read_document(path: str) -> tuple[str, bool]:
-    """File text with '\\r\\n' -> '\\n'; undecodable UTF-8 bytes become U+FFFD.
-
-    Returns (text, had_bad_bytes). UserError if the file cannot be read."""
+def read_document(path: str, start: int = 0, end: int = -1) -> tuple[str, bool]:
+    """Text of the file (or of its bytes [start, end)) with '\\r\\n' -> '\\n'; undecodable
+    UTF-8 bytes become U+FFFD. Returns (text, had_bad_bytes). UserError if unreadable."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            f.seek(start)
+            raw = f.read() if end < 0 else f.read(end - start)
     except OSError as e:
         raise UserError(f"cannot read data file {path}: {e.strerror}") from e
     try:
@@ -134,7 +164,8 @@ def validation_ids(doc_ids: Sequence[str], val_fraction: float) -> set[str]:
         raise UserError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     if len(doc_ids) < 2:
         raise UserError(f"need at least 2 documents to hold one out for validation, found "
-                        f"{len(doc_ids)} ({', '.join(doc_ids)}); split the text into several files")
+                        f"{len(doc_ids)} ({', '.join(doc_ids)}); use several files or set "
+                        f"data.doc_bytes (e.g. 65536) to cut large files into parts")
     ranked = sorted(doc_ids, key=lambda d: (_unit_hash(d), d))
     held = [d for d in ranked if _unit_hash(d) < val_fraction]
     held = held[: len(ranked) - 1] or ranked[:1]

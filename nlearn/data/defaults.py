@@ -34,6 +34,10 @@ def data_config() -> ml_collections.ConfigDict:
     # Built datasets (cache_dir/tfds), tokenizers (cache_dir/tokenizers) and token statistics
     # (cache_dir/stats) are written here once and reused.
     c.cache_dir = default_cache_dir()
+    # source='text': files larger than this many bytes are cut at line breaks into parts of about
+    # this size, each its own document ('name@k'); 0 = one document per file. Needed to hold
+    # out part of a single large file (e.g. 65536).
+    c.doc_bytes = 0
     # sentencepiece vocabulary size when a tokenizer is trained (ignored when `tokenizer` is set).
     c.vocab_size = 8192
     # Path of an existing sentencepiece .model; '' = train one on the training split and cache

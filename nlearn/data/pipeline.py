@@ -99,14 +99,15 @@ class EncodeDocument:
 
 
 class TokenRecord:
-    """record of a token corpus -> {"tokens": int32 [n], "weights": float32 [n] (if given)}."""
+    """record of a token corpus -> {"tokens": int32 [n]} (+ "weights": float32 [n] when the
+    record has them and the corpus is unpacked; packed streams weigh every target)."""
 
-    def __init__(self, vocab: int):
-        self.vocab = vocab
+    def __init__(self, keep_weights: bool):
+        self.keep_weights = keep_weights
 
     def __call__(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
         out = {"tokens": np.asarray(record["tokens"], np.int32)}
-        if "weights" in record:
+        if self.keep_weights and "weights" in record:
             out["weights"] = np.asarray(record["weights"], np.float32)
         return out
 
@@ -135,7 +136,7 @@ def to_lm_batch(batch: Mapping[str, np.ndarray]) -> Batch:
 
 
 def _encoder(corpus: Corpus, tokenizer: Optional[Tokenizer]):
-    return (TokenRecord(corpus.vocab_size) if corpus.vocab_size is not None
+    return (TokenRecord(keep_weights=not corpus.pack) if corpus.vocab_size is not None
             else EncodeDocument(tokenizer, corpus.text_key))
 
 
@@ -158,7 +159,7 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
                         process_count: int = 1) -> grain.DatasetIterator:
     """Infinite, checkpointable (get_state/set_state) iterator of this process's training
     batches {"inputs", "targets"}: int32 [batch_size // process_count, seq_len] (+ "weights"
-    float32 for token sources that carry weights)."""
+    float32 [B_local, T] for unpacked token sources whose records carry weights)."""
     d = config.data
     b_local, seq_len = _shape(config, process_count)
     if not 0 <= process_index < process_count:
@@ -176,10 +177,8 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=int(d.read_threads),
                                               prefetch_buffer_size=int(d.prefetch_buffer)))
     if corpus.pack:
-        lengths = {"tokens": seq_len + 1}
-        if corpus.vocab_size is not None and "weights" in encode(corpus.train[0]):
-            lengths["weights"] = seq_len + 1
-        it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct=lengths)
+        it = grain.experimental.ConcatThenSplitIterDataset(
+            it, length_struct={"tokens": seq_len + 1})
     else:
         it = it.map(CheckWindow(seq_len + 1))
     it = it.batch(b_local, drop_remainder=True).map(to_lm_batch)
@@ -244,16 +243,23 @@ def _eval_rows(config: ml_collections.ConfigDict):
         available = max(len(stream) - 1, 0)
         n_eval = min(available, cap) if cap > 0 else available
         return _windows_from_stream(stream, seq_len, n_eval, pad_id=0)
-    encode = _encoder(corpus, tokenizer)
-    n_rec = len(corpus.validation)
-    if cap > 0:
-        n_rec = min(n_rec, math.ceil(cap / seq_len))
-    rows = [CheckWindow(seq_len + 1)(encode(corpus.validation[i])) for i in range(n_rec)]
-    batch = to_lm_batch({k: np.stack([r[k] for r in rows]) for k in rows[0]})
-    weights = batch.get("weights", np.ones_like(batch["targets"], np.float32))
+    # Unpacked records: one window each, read until `cap` weighted targets are covered.
+    encode, check = _encoder(corpus, tokenizer), CheckWindow(seq_len + 1)
+    rows, counted = [], 0
+    for i in range(len(corpus.validation)):
+        row = to_lm_batch({k: v[None] for k, v in check(encode(corpus.validation[i])).items()})
+        row.setdefault("weights", np.ones((1, seq_len), np.float32))
+        rows.append(row)
+        counted += int((row["weights"] > 0).sum())
+        if 0 < cap <= counted:
+            break
+    if not rows:
+        raise UserError(f"source {config.data.source!r} has no validation records")
+    inputs, targets, weights = (np.concatenate([r[k] for r in rows])
+                                for k in ("inputs", "targets", "weights"))
     if cap > 0:  # Zero the weights past the cap, counting only weighted targets.
         weights = np.where(np.cumsum(weights > 0).reshape(weights.shape) <= cap, weights, 0.0)
-    return batch["inputs"], batch["targets"], weights.astype(np.float32)
+    return inputs, targets, weights.astype(np.float32)
 
 
 def make_eval_batches(config: ml_collections.ConfigDict, *, process_index: int = 0,

@@ -29,7 +29,7 @@ def builtin_source(config: ml_collections.ConfigDict) -> Corpus:
 def text_source(config: ml_collections.ConfigDict) -> Corpus:
     """The user's text files matching `config.data.path`, one document per file."""
     d = config.data
-    files = corpus_lib.text_files(d.path)
+    files = corpus_lib.text_files(d.path, int(d.doc_bytes))
     return tfds_builder.prepared_corpus("text", files, d.cache_dir, d.val_fraction,
                                         description=f"text {d.path}: {len(files)} files")
 

@@ -65,7 +65,7 @@ class NlearnCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         for f in self.builder_config.files:
             if (f.doc_id in self.builder_config.val_ids) != held_out:
                 continue
-            text, bad = read_document(f.path)
+            text, bad = read_document(f.path, f.start, f.end)
             if bad:
                 self.bad_utf8_files.append(f.path)
             yield f.doc_id, {"id": f.doc_id, "text": text}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from data_helpers import TOKEN_DOC_LENGTHS, runs, stream_of
-from nlearn.data import (describe, get_tokenizer, make_eval_batches, make_train_iterator,
+from nlearn.data import (SOURCES, Corpus, describe, get_tokenizer, make_eval_batches, make_train_iterator,
                          unigram_perplexity)
 from nlearn.errors import UserError
 
@@ -156,11 +156,43 @@ def test_describe_and_unigram_perplexity(make_config, text_glob):
     assert unigram_perplexity(config) == ppl
 
 
-def test_unpacked_token_source_eval(make_config, token_source):
+def test_token_source_eval(make_config, token_source):
     config = make_config(source=token_source, batch_size=2, seq_len=8)
     batches = make_eval_batches(config)  # one validation window of 20 tokens, packed stream
     assert sum(b["weights"].sum() for b in batches) == 19
     assert math.isfinite(unigram_perplexity(config))
+
+
+def windows_corpus(config):
+    """An unpacked, weighted token source (like a synthetic recall task): each record is one
+    window of seq_len + 1 = 9 tokens; only the last two targets count."""
+    del config
+    rng = np.random.default_rng(0)
+    weights = np.zeros(9, np.float32)
+    weights[-2:] = 1.0
+    make = lambda n: [{"tokens": rng.integers(5, 30, 9).astype(np.int32), "weights": weights}
+                      for _ in range(n)]
+    return Corpus(key="test-windows", train=make(10), validation=make(5), vocab_size=32,
+                  pack=False)
+
+
+def test_unpacked_weighted_source(make_config):
+    SOURCES["test_windows"] = windows_corpus
+    try:
+        config = make_config(source="test_windows", batch_size=2, seq_len=8)
+        b = next(make_train_iterator(config))
+        assert set(b) == {"inputs", "targets", "weights"}
+        assert b["inputs"].shape == b["weights"].shape == (2, 8)
+        np.testing.assert_array_equal(b["weights"][0], [0, 0, 0, 0, 0, 0, 1, 1])
+        batches = make_eval_batches(config)
+        assert len(batches) == 3 and sum(x["weights"].sum() for x in batches) == 10
+        config.data.eval_tokens = 3  # cap counts weighted targets only
+        assert sum(x["weights"].sum() for x in make_eval_batches(config)) == 3
+        config.train.seq_len = 7
+        with pytest.raises(UserError, match="expected train.seq_len"):
+            next(make_train_iterator(config))
+    finally:
+        SOURCES.pop("test_windows")
 
 
 def test_config_errors(make_config):

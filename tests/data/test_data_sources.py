@@ -128,3 +128,20 @@ def test_register_source(make_config, token_source):
         assert get_corpus(make_config(source="alias_tokens")).key == corpus.key
     finally:
         SOURCES.pop("alias_tokens")
+
+
+def test_single_large_file_cut_into_parts(make_config, tmp_path):
+    texts = write_docs(str(tmp_path / "one"), 3, seed=5)
+    big = "".join(texts)
+    for name in os.listdir(tmp_path / "one"):
+        os.remove(tmp_path / "one" / name)
+    (tmp_path / "one" / "book.txt").write_text(big, encoding="utf-8")
+    glob = str(tmp_path / "one" / "book.txt")
+    with pytest.raises(UserError, match="doc_bytes"):
+        get_corpus(make_config(source="text", path=glob))
+    corpus = get_corpus(make_config(source="text", path=glob, doc_bytes=1000))
+    parts = _texts(corpus.train) | _texts(corpus.validation)
+    assert len(parts) >= len(big) // 1500 and 1 <= len(_texts(corpus.validation)) < len(parts)
+    ordered = sorted(parts, key=lambda name: int(name.split("@")[1]))
+    assert "".join(parts[n] for n in ordered) == big
+    assert all(parts[n].endswith("\n") for n in ordered)
