@@ -1,15 +1,18 @@
 """grain pipelines: a checkpointable, infinite training stream of packed token windows, and
 finite, deterministic evaluation batches.
 
-Training: documents of this process's shard -> shuffle (new order every epoch, seeded by
-config.train.seed) -> tokenize (+EOS) -> concatenate and cut into windows of seq_len + 1
-tokens -> batches {"inputs": [B_local, T], "targets": [B_local, T]} (int32). Evaluation: the
-validation documents joined with EOS, cut into consecutive windows, zero-weighted padding.
+Training: for each batch row, documents of this process's shard -> shuffle (new order every
+epoch, seeded by config.train.seed and the row) -> tokenize (+EOS) -> concatenate and cut into
+windows of seq_len + 1 tokens; rows zipped into batches {"inputs": [B_local, T], "targets":
+[B_local, T]} (int32). Evaluation: the validation documents joined with EOS, cut into
+consecutive windows, zero-weighted padding.
 """
 
+import atexit
 import functools
 import math
 import os
+import weakref
 from typing import Any, Mapping, Optional
 
 from absl import flags
@@ -155,11 +158,48 @@ def _shape(config: ml_collections.ConfigDict, process_count: int) -> tuple[int, 
     return batch // process_count, seq_len
 
 
+def lane_seed(seed: int, lane: int) -> int:
+    """Shuffle seed of one batch row's document stream, derived from the run's seed."""
+    return int(np.random.SeedSequence([seed, lane]).generate_state(1)[0])
+
+
+def _lane(source, seed: int, encode, corpus: Corpus, seq_len: int) -> grain.IterDataset:
+    """One row's infinite stream of windows: documents reshuffled every epoch, tokenized,
+    packed (or checked, for unpacked corpora)."""
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None).map(encode)
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if corpus.pack:
+        return grain.experimental.ConcatThenSplitIterDataset(
+            it, length_struct={"tokens": seq_len + 1})
+    return it.map(CheckWindow(seq_len + 1))
+
+
+def stack_rows(rows) -> dict[str, np.ndarray]:
+    """A tuple of per-row elements -> one batch element with a leading row axis."""
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _close_at_exit(ref: "weakref.ref") -> None:
+    """Stop an iterator's worker processes before interpreter teardown (grain otherwise
+    prints tracebacks from their finalizers at exit)."""
+    iterator = ref()
+    if iterator is not None:
+        try:
+            iterator.close()
+        except Exception:  # Best effort at exit; nothing useful to report.
+            pass
+
+
 def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
     """Infinite, checkpointable (get_state/set_state) iterator of this process's training
     batches {"inputs", "targets"}: int32 [batch_size // process_count, seq_len] (+ "weights"
-    float32 [B_local, T] for unpacked token sources whose records carry weights)."""
+    float32 [B_local, T] for unpacked token sources whose records carry weights).
+
+    Row i of every batch continues row i of the previous batch: each row ("lane") reads its
+    own shuffle of this process's documents (seed from train.seed, the data offset and i; a
+    new order every epoch), so a batch mixes B_local documents rather than slicing one long
+    document, and a recurrent model may carry its state from one batch to the next."""
     d = config.data
     b_local, seq_len = _shape(config, process_count)
     if not 0 <= process_index < process_count:
@@ -169,25 +209,23 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     if len(corpus.train) < process_count:
         raise UserError(f"{len(corpus.train)} training documents cannot be sharded over "
                         f"{process_count} processes")
-    ds = grain.MapDataset.source(corpus.train)
+    shard = grain.MapDataset.source(corpus.train)
     if process_count > 1:
-        ds = ds[process_index::process_count]
+        shard = shard[process_index::process_count]
     seed = int(config.train.seed) + int(d.shuffle_seed_offset)
-    ds = ds.shuffle(seed=seed).repeat(None).map(encode)
-    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=int(d.read_threads),
-                                              prefetch_buffer_size=int(d.prefetch_buffer)))
-    if corpus.pack:
-        it = grain.experimental.ConcatThenSplitIterDataset(
-            it, length_struct={"tokens": seq_len + 1})
-    else:
-        it = it.map(CheckWindow(seq_len + 1))
-    it = it.batch(b_local, drop_remainder=True).map(to_lm_batch)
+    lanes = [_lane(shard, lane_seed(seed, i), encode, corpus, seq_len) for i in range(b_local)]
+    it = grain.experimental.ZipIterDataset(lanes).map(stack_rows).map(to_lm_batch)
     if int(d.num_workers) > 0:
         if not flags.FLAGS.is_parsed():
             # grain <= 0.2.18 reads an absl flag in mp_prefetch and fails when flags were never
             # parsed (library use outside absl.app: tests, notebooks); google/grain#1355.
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(d.num_workers)))
+        iterator = iter(it)
+        atexit.register(_close_at_exit, weakref.ref(iterator))
+        return iterator
+    # In-process: no background thread (grain 0.2's ThreadPrefetch leaks threads and prints
+    # errors when an unclosed iterator is collected); tokenizing costs ~2-3 us per token.
     return iter(it)
 
 

@@ -41,25 +41,28 @@ def write_docs(folder: str, n_docs: int, seed: int = 0) -> list[str]:
 
 
 TOKEN_DOC_LENGTHS = [3 + (i * 7) % 40 for i in range(12)]
+TOKEN_EOS = 1
 
 
 def token_corpus(config) -> Corpus:
-    """12 training documents, document i = TOKEN_DOC_LENGTHS[i] copies of id 10 + i, so the
+    """12 training documents, document i = copies of id 10 + i ending in TOKEN_EOS, so the
     document order of a packed stream can be read off its tokens."""
     del config
-    train = [{"tokens": np.full(n, 10 + i, np.int32)} for i, n in enumerate(TOKEN_DOC_LENGTHS)]
+    train = [{"tokens": np.array([10 + i] * (n - 1) + [TOKEN_EOS], np.int32)}
+             for i, n in enumerate(TOKEN_DOC_LENGTHS)]
     validation = [{"tokens": np.arange(20, dtype=np.int32) % 7 + 5}]
     return Corpus(key="test-tokens", train=train, validation=validation, vocab_size=64)
 
 
-def stream_of(batches) -> np.ndarray:
-    """The packed token stream behind consecutive batches (each row is one window)."""
-    rows = [np.concatenate([b["inputs"][i], b["targets"][i][-1:]])
-            for b in batches for i in range(len(b["inputs"]))]
-    return np.concatenate(rows)
+def lane_streams(batches) -> list[np.ndarray]:
+    """Per batch row, the packed token stream behind consecutive batches (row i of each batch
+    is the next window of row i's stream)."""
+    rows = batches[0]["inputs"].shape[0]
+    return [np.concatenate([np.concatenate([b["inputs"][i], b["targets"][i][-1:]])
+                            for b in batches]) for i in range(rows)]
 
 
-def runs(stream: np.ndarray) -> list[int]:
-    """Values of the maximal runs of equal tokens, in order."""
-    keep = np.concatenate([[True], stream[1:] != stream[:-1]])
-    return [int(x) for x in stream[keep]]
+def doc_order(stream: np.ndarray) -> list[int]:
+    """Document ids of a token-corpus stream, in order (documents end with TOKEN_EOS)."""
+    ends = np.flatnonzero(stream == TOKEN_EOS)
+    return [int(seg[0]) for seg in np.split(stream, ends + 1) if len(seg) and seg[0] != TOKEN_EOS]

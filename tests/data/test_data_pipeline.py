@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from data_helpers import TOKEN_DOC_LENGTHS, runs, stream_of
+from data_helpers import TOKEN_DOC_LENGTHS, doc_order, lane_streams
 from nlearn.data import (SOURCES, Corpus, describe, get_tokenizer, make_eval_batches, make_train_iterator,
                          unigram_perplexity)
 from nlearn.errors import UserError
@@ -37,9 +37,12 @@ def test_builtin_batches_are_packed_windows(builtin):
         np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
     tokenizer = get_tokenizer(builtin)
     assert tokenizer.vocab_size == 512
-    stream = stream_of(batches)
-    assert stream.min() >= 1 and stream.max() < 512  # no padding inside the training stream
-    assert len(tokenizer.decode(stream)) > 1000
+    streams = lane_streams(batches)
+    for stream in streams:
+        assert stream.min() >= 1 and stream.max() < 512  # no padding inside the training stream
+        assert len(tokenizer.decode(stream)) > 300
+    # Rows come from different documents (each row reads its own shuffle of the corpus).
+    assert len({tokenizer.decode(s[:40]) for s in streams}) == 4
 
 
 def test_determinism_and_seed(builtin):
@@ -63,19 +66,20 @@ def test_resume_mid_run_builtin(builtin):
 
 def test_epochs_reshuffle_and_resume_across_epochs(make_config, token_source):
     config = make_config(source=token_source, batch_size=4, seq_len=16)
-    n_docs, total = len(TOKEN_DOC_LENGTHS), sum(TOKEN_DOC_LENGTHS)
-    batches_per_epoch = total / (4 * 17)
-    it = make_train_iterator(config)
-    batches = take(it, int(3 * batches_per_epoch))
-    order = runs(stream_of(batches))
-    epoch1, epoch2 = order[:n_docs], order[n_docs:2 * n_docs]
-    assert sorted(epoch1) == sorted(epoch2) == list(range(10, 10 + n_docs))
-    assert epoch1 != epoch2 and epoch1 != sorted(epoch1)
+    n_docs = len(TOKEN_DOC_LENGTHS)
+    per_epoch = sum(TOKEN_DOC_LENGTHS) // 17  # windows of one row's stream per epoch
+    batches = take(make_train_iterator(config), 3 * per_epoch)
+    orders = [doc_order(s) for s in lane_streams(batches)]
+    for order in orders:
+        epoch1, epoch2 = order[:n_docs], order[n_docs:2 * n_docs]
+        assert sorted(epoch1) == sorted(epoch2) == list(range(10, 10 + n_docs))
+        assert epoch1 != epoch2
+    assert len({tuple(o[:n_docs]) for o in orders}) == 4  # every row has its own order
     # Resume from a state taken late in epoch 1: identical batches through epochs 2 and 3.
     it = make_train_iterator(config)
-    take(it, int(batches_per_epoch) - 1)
+    take(it, per_epoch - 1)
     state = it.get_state()
-    expected = take(it, 2 * int(batches_per_epoch))
+    expected = take(it, 2 * per_epoch)
     resumed = make_train_iterator(config)
     resumed.set_state(state)
     assert_same(expected, take(resumed, len(expected)))
@@ -87,7 +91,7 @@ def test_process_shards_are_disjoint(make_config, token_source, builtin):
     for p in range(2):
         batches = take(make_train_iterator(config, process_index=p, process_count=2), 12)
         assert batches[0]["inputs"].shape == (2, 16)
-        seen.append(set(runs(stream_of(batches))))
+        seen.append({d for s in lane_streams(batches) for d in doc_order(s)})
     assert not seen[0] & seen[1]
     assert seen[0] | seen[1] == set(range(10, 10 + len(TOKEN_DOC_LENGTHS)))
     b = [next(make_train_iterator(builtin, process_index=p, process_count=2)) for p in range(2)]
