@@ -199,7 +199,8 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     Row i of every batch continues row i of the previous batch: each row ("lane") reads its
     own shuffle of this process's documents (seed from train.seed, the data offset and i; a
     new order every epoch), so a batch mixes B_local documents rather than slicing one long
-    document, and a recurrent model may carry its state from one batch to the next."""
+    document, and a recurrent model may carry its state from one batch to the next (with
+    num_workers <= 1; more workers interleave their batches)."""
     d = config.data
     b_local, seq_len = _shape(config, process_count)
     if not 0 <= process_index < process_count:
