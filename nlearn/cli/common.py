@@ -18,14 +18,35 @@ def fail(message: str) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
+def _check_config_files(argv) -> None:
+    """Refuse a missing `--config=FILE[:preset]` before ml_collections logs a traceback for it."""
+    for arg in argv[1:]:
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1].split(":", 1)[0]
+            if not os.path.isfile(path):
+                fail(f"config file not found: {path}")
+
+
 def parse_flags(argv):
     """absl flag parsing whose errors (unknown override keys, missing config files) are one line."""
+    _check_config_files(argv)
     try:
-        return flags.FLAGS(argv)
+        parsed = flags.FLAGS(argv)
+        if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+            flags.FLAGS.config  # loads the file now: its errors surface here, not mid-run
+        return parsed
     except flags.Error as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except (UserError, OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-        fail(f"{type(e).__name__}: {e}")
+    except UserError as e:
+        fail(str(e))
+    except (KeyError, AttributeError) as e:  # an override naming a key the config lacks
+        name = str(e).strip("\"'")
+        culprits = [a.split("=", 1)[0] for a in argv[1:]
+                    if a.startswith("--config.") and f".{name}" in a.split("=", 1)[0]]
+        fail(f"unknown config key {culprits[0] if culprits else name!r}: not in the config "
+             "(see the config file for valid keys)")
+    except (OSError, ValueError, TypeError, SyntaxError) as e:
+        fail(f"{type(e).__name__}: {str(e).splitlines()[0]}")
 
 
 def quiet_libraries() -> None:

@@ -19,6 +19,8 @@ flags.mark_flag_as_required("workdir")
 
 
 def main(argv):
+    import jax
+
     from nlearn import config as config_lib
     from nlearn import data
     from nlearn.eval.perplexity import make_evaluator
@@ -29,7 +31,8 @@ def main(argv):
     config_lib.validate(config)
     Checkpointer(_WORKDIR.value, read_only=True).close()  # clear error before any data work
     setup, step, params = restore_params(config, _WORKDIR.value, _STEP.value)
-    result = {"step": int(step), **make_evaluator(setup)(params, data.make_eval_batches(config))}
+    result = {"step": int(step), **make_evaluator(setup)(params, data.make_eval_batches(
+        config, process_index=jax.process_index(), process_count=jax.process_count()))}
     with open(os.path.join(_WORKDIR.value, f"eval_step{step}.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result), flush=True)

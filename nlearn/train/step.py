@@ -50,7 +50,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_a
             loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
         return new_state, metrics
 

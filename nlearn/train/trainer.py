@@ -17,6 +17,7 @@ from absl import logging
 
 from nlearn import config as config_lib
 from nlearn import data
+from nlearn.errors import UserError
 from nlearn.eval.perplexity import make_evaluator
 from nlearn.train import flops as flops_lib
 from nlearn.train.checkpoint import Checkpointer
@@ -32,6 +33,15 @@ def maybe_initialize_distributed() -> None:
         return
     if any(os.environ.get(m) for m in markers) and os.environ.get("SLURM_NTASKS", "2") != "1":
         jax.distributed.initialize()
+
+
+def sharding_summary(params) -> str:
+    """How many parameter arrays are split across devices (vs replicated)."""
+    leaves = jax.tree.leaves(params)
+    split = [x for x in leaves if not x.sharding.is_fully_replicated]
+    size = sum(x.size for x in split)
+    return (f"{len(split)} of {len(leaves)} parameter arrays split over the mesh "
+            f"({size / max(sum(x.size for x in leaves), 1):.0%} of parameters)")
 
 
 class _StopFlag:
@@ -69,7 +79,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     setup = make_setup(config)
     train_iter = data.make_train_iterator(config, process_index=jax.process_index(),
                                           process_count=jax.process_count())
-    eval_batches = data.make_eval_batches(config)
+    eval_batches = data.make_eval_batches(config, process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+    if data.vocab_size(config) != config.model.vocab_size:
+        raise UserError(f"the tokenizer has {data.vocab_size(config)} pieces but model.vocab_size is "
+                        f"{config.model.vocab_size}; set --config.data.vocab_size={data.vocab_size(config)}")
     evaluate = make_evaluator(setup)
 
     ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
@@ -96,6 +110,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         print(f"{config.model.family}: {setup.n_params / 1e6:.2f}M parameters, mesh "
               f"{dict(setup.mesh.shape)}, {tokens_per_step} tokens/step, steps {step}->{t.steps}",
               flush=True)
+        print(f"sharding: {sharding_summary(state['params'])}", flush=True)
 
     train_step = jax.jit(
         make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),

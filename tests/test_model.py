@@ -1,0 +1,83 @@
+"""Transformer++ model: shapes, causality, cached decoding, dtypes, parameter counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import transformer as transformer_config
+from nlearn import models
+
+
+def jitted(model, method="__call__"):
+    """A jitted pure function of the model's method (eager NNX dispatch is slow on CPU)."""
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda state, *args: getattr(nnx.merge(graphdef, state), method)(*args))
+    return lambda *args: fn(state, *args)
+
+
+def small_config(**model):
+    config = transformer_config.get_config("tiny")
+    with config.unlocked():
+        config.data.vocab_size = 101
+        config.model.update(dict(d_model=32, num_layers=2, num_heads=4), **model)
+    return config
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_forward_shape_and_causality(window):
+    model = jitted(models.build(small_config(window=window)))
+    tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 101)
+    logits = model(tokens)
+    assert logits.shape == (2, 17, 101) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    changed = tokens.at[:, 9:].set((tokens[:, 9:] + 7) % 101)
+    np.testing.assert_array_equal(np.asarray(model(changed)[:, :9]), np.asarray(logits[:, :9]))
+    assert not np.allclose(model(changed)[:, 9:], logits[:, 9:])
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_cached_decoding_matches_full_forward(window):
+    module = models.build(small_config(window=window))
+    decode = jitted(module, "decode")
+    tokens = jax.random.randint(jax.random.key(1), (2, 15), 0, 101)
+    full = jitted(module)(tokens)
+    cache = module.init_cache(2, 15)
+    logits, cache = decode(tokens[:, :6], cache)  # prefill
+    steps = [logits]
+    for i in range(6, 15):
+        logits, cache = decode(tokens[:, i:i + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=2e-5)
+    if window:  # bounded cache: the ring buffer holds `window` slots whatever the length
+        assert cache[0]["k"].shape[1] == window
+
+
+def test_bfloat16_compute_stays_close():
+    from nlearn.train.step import cast_params
+
+    config = small_config()
+    model = models.build(config)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(2), (1, 12), 0, 101)
+    ref = jitted(model)(tokens)
+    low = jitted(nnx.merge(graphdef, cast_params(nnx.to_pure_dict(params), jnp.bfloat16)))(tokens)
+    assert low.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(low), np.asarray(ref), atol=0.05)
+
+
+def test_untied_head_and_remat_give_same_logits_as_plain():
+    config = small_config(tie_embeddings=False)
+    plain = models.build(config)
+    with config.unlocked():
+        config.model.remat = True
+    remat = models.build(config)
+    tokens = jax.random.randint(jax.random.key(3), (1, 8), 0, 101)
+    np.testing.assert_allclose(np.asarray(jitted(remat)(tokens)), np.asarray(jitted(plain)(tokens)), atol=1e-6)
+
+
+@pytest.mark.parametrize("preset,millions", [("125m", 125), ("340m", 340), ("760m", 760)])
+def test_paper_presets_have_named_sizes(preset, millions):
+    n = models.count_params(transformer_config.get_config(preset))
+    assert abs(n / 1e6 - millions) / millions < 0.15, n
