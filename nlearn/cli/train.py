@@ -13,10 +13,16 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     from nlearn.train import train_and_evaluate
 
-    result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    from nlearn import data
+
+    config = _CONFIG.value
+    result = train_and_evaluate(config, _WORKDIR.value)
     if "loss" in result:
-        print(f"final: step {result['step']}, validation loss {result['loss']:.4f}, "
-              f"perplexity {result['perplexity']:.2f} over {result['tokens']} tokens", flush=True)
+        line = (f"final: step {result['step']}, validation loss {result['loss']:.4f}, "
+                f"perplexity {result['perplexity']:.2f} over {result['tokens']} tokens")
+        if config.data.source in ("builtin", "text", "tfds"):
+            line += f" (unigram baseline on the same tokens: {data.unigram_perplexity(config):.2f})"
+        print(line, flush=True)
 
 
 def run():

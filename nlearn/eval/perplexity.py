@@ -10,17 +10,24 @@ from nlearn.train.step import make_eval_step
 
 
 def make_evaluator(setup):
-    """`(params, batches) -> {"loss", "perplexity", "tokens"}`, jitted once per setup."""
+    """`(params, batches) -> {"loss", "perplexity", "accuracy", "tokens"}`, jitted once per setup.
+
+    `accuracy` is the weighted next-token argmax accuracy; on MQAR (weights only on answers)
+    it is the recall accuracy and is also reported as `mqar_accuracy`.
+    """
     step = jax.jit(make_eval_step(setup.graphdef, dtype=setup.dtype),
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
     def evaluate(params, batches) -> dict:
-        total, count = 0.0, 0.0
+        total, count, hits = 0.0, 0.0, 0.0
         for batch in batches:
-            loss_sum, weight = step(params, setup.put_batch(batch))
-            total += float(loss_sum)
-            count += float(weight)
+            loss_sum, weight, hit = step(params, setup.put_batch(batch))
+            total, count, hits = total + float(loss_sum), count + float(weight), hits + float(hit)
         loss = total / max(count, 1.0)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(count)}
+        result = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+                  "accuracy": hits / max(count, 1.0), "tokens": int(count)}
+        if setup.config.data.source == "mqar":
+            result["mqar_accuracy"] = result["accuracy"]
+        return result
 
     return evaluate

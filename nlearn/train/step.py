@@ -19,10 +19,14 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
+def logits_of(graphdef, params, inputs_BT, dtype):
+    """float32 logits `[B, T, V]` of the model rebuilt from `graphdef` and `params`."""
+    return nnx.merge(graphdef, cast_params(params, dtype))(inputs_BT)
+
+
 def token_losses(graphdef, params, inputs_BT, targets_BT, dtype):
     """Per-token cross-entropy `[B, T]` (float32 logits)."""
-    model = nnx.merge(graphdef, cast_params(params, dtype))
-    logits = model(inputs_BT)
+    logits = logits_of(graphdef, params, inputs_BT, dtype)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
 
 
@@ -58,11 +62,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_a
 
 
 def make_eval_step(graphdef, *, dtype):
-    """`(params, batch) -> (sum of weighted token losses, sum of weights)`."""
+    """`(params, batch) -> (weighted loss sum, weight sum, weighted count of argmax hits)`."""
 
     def eval_step(params, batch):
-        losses = token_losses(graphdef, params, batch["inputs"], batch["targets"], dtype)
+        logits = logits_of(graphdef, params, batch["inputs"], dtype)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
         w = batch["weights"].astype(jnp.float32)
-        return jnp.sum(losses * w), jnp.sum(w)
+        return jnp.sum(losses * w), jnp.sum(w), jnp.sum(hits * w)
 
     return eval_step

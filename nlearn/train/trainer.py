@@ -124,11 +124,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     def run_eval(step):
         result = evaluate(state["params"], eval_batches)
-        log({"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"],
-             "eval_tokens": result["tokens"]})
+        log({"step": step, **{f"eval_{k}": v for k, v in result.items()}})
         if lead and config.logging.progress:
-            print(f"eval at step {step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}",
-                  flush=True)
+            extra = f", MQAR accuracy {result['mqar_accuracy']:.4f}" if "mqar_accuracy" in result else ""
+            print(f"eval at step {step}: loss {result['loss']:.4f}, perplexity "
+                  f"{result['perplexity']:.2f}{extra}", flush=True)
         return result
 
     start_time, stopped, compiling = time.perf_counter(), None, True
