@@ -63,3 +63,23 @@ def from_chunks(x, length: int):
     rest = x.shape[4:]
     x = jnp.moveaxis(x, 1, 3).reshape(b, n * c, h, *rest)
     return x[:, :length]
+
+
+def to_chunks_first(x, chunk: int):
+    """`[B, T, H, ...]` -> `[N, B, H, C, ...]`, padding T with zeros to a multiple of `chunk`.
+
+    Chunk-major layout: a `lax.scan` over chunks slices the leading axis without a transpose.
+    """
+    x = pad_time(x, chunk)
+    b, t, h = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.reshape(b, t // chunk, chunk, h, *rest)
+    return jnp.moveaxis(x, (1, 3), (0, 2))
+
+
+def from_chunks_first(x, length: int):
+    """`[N, B, H, C, ...]` -> `[B, length, H, ...]` (drops padding)."""
+    n, b, h, c = x.shape[:4]
+    rest = x.shape[4:]
+    x = jnp.moveaxis(x, (0, 2), (1, 3)).reshape(b, n * c, h, *rest)
+    return x[:, :length]
