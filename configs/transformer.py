@@ -3,8 +3,7 @@
   nlearn-train --config=configs/transformer.py:tiny --workdir=runs/tf --config.train.steps=100
 """
 
-from nlearn.config import base_config
-from nlearn.presets import apply_preset
+from nlearn.presets import family_config
 
 PRESETS = {
     # Trains on 2 CPU cores in a few minutes (the `make train` comparison baseline).
@@ -17,6 +16,4 @@ PRESETS = {
 
 
 def get_config(preset: str = "tiny"):
-    config = base_config()
-    config.model.family = "transformer"
-    return apply_preset(config, PRESETS, preset)
+    return family_config("transformer", PRESETS, preset)

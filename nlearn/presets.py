@@ -26,3 +26,15 @@ def apply_preset(config: ml_collections.ConfigDict, presets: dict, preset: str,
         config.train[key] = value
     config.lock()
     return config
+
+
+def family_config(family: str, presets: dict, preset: str, *, memory=None,
+                  train: dict | None = None) -> ml_collections.ConfigDict:
+    """The locked config of `family` at `preset`: base config, memory section, preset values."""
+    from nlearn.config import base_config
+
+    config = base_config()
+    config.model.family = family
+    if memory is not None:
+        config.model.memory = memory
+    return apply_preset(config, presets, preset, train)

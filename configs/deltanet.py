@@ -1,0 +1,18 @@
+"""DeltaNet: the delta rule as token mixer. Presets: tiny, 340m, 760m.
+
+  nlearn-train --config=configs/deltanet.py:tiny --workdir=runs/deltanet
+"""
+
+from nlearn.memory_config import linear_memory
+from nlearn.presets import family_config
+
+PRESETS = {
+    "tiny": dict(d_model=256, num_layers=4, num_heads=4),
+    # DeltaNet paper sizes (Yang et al. 2024), 32k vocabulary, untied head.
+    "340m": dict(d_model=1024, num_layers=24, num_heads=8, tie_embeddings=False),
+    "760m": dict(d_model=1536, num_layers=24, num_heads=12, tie_embeddings=False),
+}
+
+
+def get_config(preset: str = "tiny"):
+    return family_config("deltanet", PRESETS, preset, memory=linear_memory())

@@ -1,0 +1,18 @@
+"""Gated DeltaNet: the gated delta rule (decay + delta correction). Presets: tiny, 340m, 760m.
+
+  nlearn-train --config=configs/gated_deltanet.py:tiny --workdir=runs/gated_deltanet
+"""
+
+from nlearn.memory_config import linear_memory
+from nlearn.presets import family_config
+
+PRESETS = {
+    "tiny": dict(d_model=256, num_layers=4, num_heads=4),
+    # Gated DeltaNet paper sizes (Yang et al. 2025), 32k vocabulary, untied head.
+    "340m": dict(d_model=1024, num_layers=24, num_heads=8, tie_embeddings=False),
+    "760m": dict(d_model=1536, num_layers=24, num_heads=12, tie_embeddings=False),
+}
+
+
+def get_config(preset: str = "tiny"):
+    return family_config("gated_deltanet", PRESETS, preset, memory=linear_memory())

@@ -1,0 +1,145 @@
+"""Token mixers that call a memory op: the layers make q, k, v and gates, the ops do the math.
+
+Shared wiring (DeltaNet / Titans style): q, k, v projections -> short causal depthwise conv ->
+a family-specific featurization (elu+1, or SiLU + L2 norm) -> the op -> per-head RMSNorm ->
+SiLU output gate -> output projection. Decoding feeds the op's state through the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nlearn.layers.conv import ShortConv
+from nlearn.layers.core import Dense, RMSNorm, param
+from nlearn.memory.delta import delta_rule, delta_rule_step, gated_delta_rule, gated_delta_rule_step
+from nlearn.memory.linear_attention import LinearAttentionState, linear_attention, linear_attention_step
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class MemoryMixer(nnx.Module):
+    """Base class: projections, convs, output norm and gate.
+
+    Subclasses define `initial_state(batch)` (the memory's state before any token) and
+    `memory(q, k, v, gates, state) -> (o, state)` (the op over `[B, T, H, D]` inputs), and may
+    override `featurize` and `gates`.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        mem = cfg.memory
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+        width = self.num_heads * self.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.q = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+        self.k = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+        self.v = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+        self.convs = nnx.List([ShortConv(width, mem.conv_size, rngs=rngs) for _ in range(3)]
+                              if mem.conv_size else [])
+        self.out_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
+        self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+        self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs)
+        self.chunk_size = mem.chunk_size
+
+    # --- to override -----------------------------------------------------------------------
+    def featurize(self, q, k, v):
+        """`[B, T, H, D]` q, k, v after the convs -> what the op reads and writes."""
+        return q, k, v
+
+    def gates(self, x_BTD) -> tuple:
+        """Per-token gates `[B, T, H]` passed to the op."""
+        return ()
+
+    # --- shared ----------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        width = self.num_heads * self.head_dim
+        convs = [conv.init_cache(batch, width, dtype) for conv in self.convs]
+        return {"convs": convs, "state": self.initial_state(batch)}
+
+    def __call__(self, x_BTD, cache=None):
+        b, t, _ = x_BTD.shape
+        qkv, conv_caches = [], []
+        for i, proj in enumerate((self.q, self.k, self.v)):
+            h = proj(x_BTD)
+            if self.convs:
+                h, c = self.convs[i](h, None if cache is None else cache["convs"][i])
+                conv_caches.append(c)
+            qkv.append(h.reshape(b, t, self.num_heads, self.head_dim))
+        q, k, v = self.featurize(*qkv)
+        state = None if cache is None else cache["state"]
+        o, state = self.memory(q, k, v, self.gates(x_BTD), state)
+        o = self.out_norm(o).reshape(b, t, -1) * jax.nn.silu(self.gate(x_BTD))
+        y = self.o(o.astype(x_BTD.dtype))
+        return y, (None if cache is None else {"convs": conv_caches, "state": state})
+
+
+class LinearAttentionMixer(MemoryMixer):
+    """Katharopoulos et al.: elu+1 features, `S += k^T v`, optional normalizer."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.normalize = cfg.memory.normalize
+
+    def featurize(self, q, k, v):
+        return jax.nn.elu(q) + 1.0, jax.nn.elu(k) + 1.0, v
+
+    def initial_state(self, batch):
+        s = jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
+        if not self.normalize:
+            return s
+        return LinearAttentionState(s, jnp.zeros((batch, self.num_heads, self.head_dim), jnp.float32))
+
+    def memory(self, q, k, v, gates, state):
+        if q.shape[1] == 1 and state is not None:
+            o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, normalize=self.normalize)
+            return o[:, None], state
+        return linear_attention(q, k, v, normalize=self.normalize, initial_state=state,
+                                    chunk_size=self.chunk_size)
+
+
+class DeltaNetMixer(MemoryMixer):
+    """DeltaNet (Schlag et al., Yang et al.): SiLU + L2-normalised q, k; `beta = sigmoid(x W_b)`.
+
+    With `gated=True` it is Gated DeltaNet: `log a_t = -exp(A) * softplus(x W_a + dt_bias)`.
+    """
+
+    def __init__(self, cfg, *, gated: bool = False, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.beta = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+        self.gated = gated
+        if gated:
+            self.decay = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+            # Mamba-2 style init: A in [1, 16], softplus(dt_bias) in [1e-3, 0.1] (log-uniform).
+            a = jax.random.uniform(rngs.params(), (self.num_heads,), minval=1.0, maxval=16.0)
+            self.a_log = nnx.Param(jnp.log(a), out_sharding=("heads",))
+            dt = jnp.exp(jax.random.uniform(rngs.params(), (self.num_heads,),
+                                            minval=math.log(1e-3), maxval=math.log(0.1)))
+            self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), out_sharding=("heads",))
+
+    def featurize(self, q, k, v):
+        return l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)
+
+    def gates(self, x_BTD):
+        beta = jax.nn.sigmoid(self.beta(x_BTD).astype(jnp.float32))
+        if not self.gated:
+            return (beta,)
+        dt = jax.nn.softplus(self.decay(x_BTD).astype(jnp.float32) + self.dt_bias[...])
+        return beta, -jnp.exp(self.a_log[...]) * dt
+
+    def initial_state(self, batch):
+        return jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
+
+    def memory(self, q, k, v, gates, state):
+        step, full = ((gated_delta_rule_step, gated_delta_rule) if self.gated
+                      else (delta_rule_step, delta_rule))
+        if q.shape[1] == 1 and state is not None:
+            o, state = step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state)
+            return o[:, None], state
+        return full(q, k, v, *gates, initial_state=state, chunk_size=self.chunk_size)

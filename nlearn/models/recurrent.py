@@ -1,0 +1,17 @@
+"""Recurrent LMs: the shared backbone with a memory mixer in place of attention."""
+
+from __future__ import annotations
+
+import functools
+
+from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer
+from nlearn.models import register
+
+
+def _mixer(cls, **kwargs):
+    return lambda cfg, layer_index, rngs: cls(cfg, rngs=rngs, **kwargs)
+
+
+register("linear_attention", _mixer(LinearAttentionMixer))
+register("deltanet", _mixer(DeltaNetMixer))
+register("gated_deltanet", _mixer(DeltaNetMixer, gated=True))
