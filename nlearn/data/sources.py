@@ -9,6 +9,7 @@ from typing import Callable
 import ml_collections
 
 from nlearn.data import corpus as corpus_lib
+from nlearn.data import mqar
 from nlearn.data import tfds_builder
 from nlearn.data.corpus import Corpus
 from nlearn.errors import UserError
@@ -44,6 +45,7 @@ SOURCES: dict[str, SourceBuilder] = {
     "builtin": builtin_source,
     "text": text_source,
     "tfds": tfds_source,
+    "mqar": mqar.mqar_source,
 }
 
 
