@@ -13,11 +13,12 @@ yet taken, the distribution Zoology gets from `np.random.choice(S, num_pairs, re
 p=p)`; here computed as an exponential race (Efraimidis-Spirakis: the num_pairs smallest
 E_s / p_s, E_s ~ Exp(1), in increasing order), 10x faster than numpy's loop. Pair j goes to
 the j-th drawn slot, so queries come in random order, mostly early in the region
-(power_a = 0.01: p nearly 1/(s + 1)). Two differences from
-Zoology, both forced or asked for by the single token stream this data layer uses: the answer
-value also sits in the token stream right after its key (Zoology's inputs hold filler there;
-it is an input only after it has been predicted), and filler stays 0 (Zoology replaces
-non-query filler inputs by random tokens when random_non_queries=True).
+(power_a = 0.01: p nearly 1/(s + 1)).
+
+Two differences from Zoology: the answer value also sits in the token stream right after its
+key (forced by the single stream this data layer turns into inputs/targets; Zoology's inputs
+hold filler there; it is an input only after it has been predicted), and filler stays 0
+(Zoology replaces non-query filler inputs by random tokens when random_non_queries=True).
 
 Example i of a split is a pure function of (train.seed, split, i), so a corpus of any size
 costs no storage, grain can shuffle it by index, and training iterators resume exactly.
