@@ -13,3 +13,40 @@ def linear_memory(**overrides) -> ml_collections.ConfigDict:
     c.normalize = False  # linear attention only: divide by q . sum(k)
     c.update(overrides)
     return c
+
+
+def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
+    """The inner learner of the Titans / TTT-MLP memories; each key is a one-line ablation."""
+    c = linear_memory()
+    del c.normalize
+    c.optimizer = "momentum"  # inner optimizer: see nlearn.memory.inner_optimizers.INNER_OPTIMIZERS
+    c.objective = "l2"  # inner objective: see nlearn.memory.objectives.OBJECTIVES
+    c.minibatch = 16  # tokens whose gradients share the mini-batch start state (1 = fully online)
+    c.depth = 2  # MLP layers of the memory (1 = matrix memory)
+    c.expansion = 4  # hidden width of the memory MLP / head_dim
+    c.residual = False  # f(x) = MLP(x) + x
+    c.activation = "gelu"  # see nlearn.memory.neural_memory.ACTIVATIONS
+    c.momentum = True  # learned momentum gate mu (optimizers with a momentum buffer)
+    c.decay = True  # learned forgetting gate alpha
+    c.max_lr = 0.1  # eta = max_lr * sigmoid(x W_eta)
+    c.update(overrides)
+    return c
+
+
+def validate_neural_memory(config) -> None:
+    """Refuse unknown inner-learner choices with the list of valid ones (before anything runs)."""
+    from nlearn.errors import UserError
+    from nlearn.memory.inner_optimizers import INNER_OPTIMIZERS
+    from nlearn.memory.neural_memory import ACTIVATIONS
+    from nlearn.memory.objectives import OBJECTIVES
+
+    mem = config.model.memory
+    for key, valid in (("optimizer", INNER_OPTIMIZERS), ("objective", OBJECTIVES), ("activation", ACTIVATIONS)):
+        if mem[key] not in valid:
+            raise UserError(f"invalid config value model.memory.{key}={mem[key]!r}: valid choices: "
+                            f"{', '.join(sorted(valid))}")
+    for key in ("minibatch", "depth", "expansion"):
+        if mem[key] <= 0:
+            raise UserError(f"invalid config value model.memory.{key}={mem[key]}: must be > 0")
+    if mem.max_lr <= 0:
+        raise UserError(f"invalid config value model.memory.max_lr={mem.max_lr}: must be > 0")

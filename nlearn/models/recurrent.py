@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer
+from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer
+from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
 
@@ -15,3 +16,4 @@ def _mixer(cls, **kwargs):
 register("linear_attention", _mixer(LinearAttentionMixer))
 register("deltanet", _mixer(DeltaNetMixer))
 register("gated_deltanet", _mixer(DeltaNetMixer, gated=True))
+register("titans_lmm", _mixer(NeuralMemoryMixer), validate_neural_memory)
