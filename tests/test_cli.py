@@ -51,3 +51,9 @@ def test_eval_without_checkpoint(tmp_path):
 def test_generate_on_non_run_directory(tmp_path):
     proc = run_cli("generate", f"--workdir={tmp_path}", "--prompt=hello")
     assert_one_line_failure(proc, "config.json")
+
+
+def test_unknown_inner_optimizer_is_refused_with_valid_choices(tmp_path, cache_dir, text_corpus):
+    proc = run_cli("train", "--config=configs/titans_lmm.py:tiny", f"--workdir={tmp_path}",
+                   *tiny_overrides(cache_dir, text_corpus), "--config.model.memory.optimizer=adamq")
+    assert_one_line_failure(proc, "model.memory.optimizer", "adamq", "momentum", "sgd")
