@@ -82,7 +82,7 @@ def _linear_attention_recurrent(q, k, v, s0, c0):
     return jnp.moveaxis(o, 0, 1), s, c
 
 
-def _linear_attention_chunked(q, k, v, s0, c0, chunk: int, precision):
+def chunked_linear_attention(q, k, v, s0, c0, chunk: int, precision):
     """Chunk-parallel form: chunk states by an exclusive cumsum, causal `tril(QKᵀ)V` inside chunks."""
     t = q.shape[1]
     ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision)  # noqa: E731
@@ -142,7 +142,7 @@ def linear_attention(
     if impl == "recurrent":
         o, s, c = _linear_attention_recurrent(q, k, v, s0, c0)
     else:
-        o, s, c = _linear_attention_chunked(q, k, v, s0, c0, chunk_size, precision)
+        o, s, c = chunked_linear_attention(q, k, v, s0, c0, chunk_size, precision)
     return o.astype(dtype), _pack(s, c)
 
 
