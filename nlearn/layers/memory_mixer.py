@@ -35,7 +35,7 @@ class MemoryMixer(nnx.Module):
     override `featurize` and `gates`.
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, output: bool = True, rngs: nnx.Rngs):
         mem = cfg.memory
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
@@ -47,8 +47,9 @@ class MemoryMixer(nnx.Module):
         self.convs = nnx.List([ShortConv(width, mem.conv_size, rngs=rngs) for _ in range(3)]
                               if mem.conv_size else [])
         self.out_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
-        self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
-        self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs)
+        # output=False: no gate and output projection; the caller mixes `heads()` itself (Titans MAG).
+        self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs) if output else None
+        self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs) if output else None
         self.chunk_size = mem.chunk_size
 
     # --- to override -----------------------------------------------------------------------
@@ -66,7 +67,8 @@ class MemoryMixer(nnx.Module):
         convs = [conv.init_cache(batch, width, dtype) for conv in self.convs]
         return {"convs": convs, "state": self.initial_state(batch)}
 
-    def __call__(self, x_BTD, cache=None):
+    def heads(self, x_BTD, cache=None):
+        """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache."""
         b, t, _ = x_BTD.shape
         qkv, conv_caches = [], []
         for i, proj in enumerate((self.q, self.k, self.v)):
@@ -78,9 +80,13 @@ class MemoryMixer(nnx.Module):
         q, k, v = self.featurize(*qkv)
         state = None if cache is None else cache["state"]
         o, state = self.memory(q, k, v, self.gates(x_BTD), state)
-        o = self.out_norm(o).reshape(b, t, -1) * jax.nn.silu(self.gate(x_BTD))
-        y = self.o(o.astype(x_BTD.dtype))
-        return y, (None if cache is None else {"convs": conv_caches, "state": state})
+        return self.out_norm(o), (None if cache is None else {"convs": conv_caches, "state": state})
+
+    def __call__(self, x_BTD, cache=None):
+        b, t, _ = x_BTD.shape
+        o, cache = self.heads(x_BTD, cache)
+        o = o.reshape(b, t, -1) * jax.nn.silu(self.gate(x_BTD))
+        return self.o(o.astype(x_BTD.dtype)), cache
 
 
 class LinearAttentionMixer(MemoryMixer):
@@ -157,8 +163,8 @@ class NeuralMemoryMixer(MemoryMixer):
     All inner-learner choices come from `cfg.memory` (optimizer, objective, minibatch, depth, ...).
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
+    def __init__(self, cfg, *, output: bool = True, rngs: nnx.Rngs):
+        super().__init__(cfg, output=output, rngs=rngs)
         mem = cfg.memory
         self.options = dict(residual=mem.residual, activation=mem.activation, objective=mem.objective,
                             optimizer=mem.optimizer, minibatch=mem.minibatch)

@@ -1,0 +1,292 @@
+"""Titans backbones' token mixers (Behrouz et al. 2025, §4): memory as a context (MAC), as a gate
+(MAG) and as a layer (MAL). Each combines three memories: the neural long-term memory (LMM, the
+`NeuralMemoryMixer`), short-term attention (segment-local for MAC, sliding window for MAG / MAL)
+and persistent memory (learned always-visible attention keys/values, see `layers.attention`).
+
+Every mixer follows the backbone's contract `__call__(x_BTD, cache=None) -> (y, cache)`; caches
+hold a memory state plus a bounded attention cache, so generation costs constant memory per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from nlearn.layers.attention import Attention, masked_attention, with_prefix_mask
+from nlearn.layers.core import Dense, RMSNorm
+from nlearn.layers.memory_mixer import NeuralMemoryMixer, l2_normalize
+from nlearn.memory.neural_memory import ACTIVATIONS, NeuralMemoryState
+
+
+def mlp_read(theta, q_BTHD, *, activation: str = "gelu", residual: bool = False):
+    """Pure read `f(q; θ)` of the memory MLP (no write): θ a tuple of `[B, H, d_in, d_out]`,
+    `q [B, T, H, d]` -> `[B, T, H, d_out]`. The same MLP as `nlearn.memory.neural_memory`."""
+    act = ACTIVATIONS[activation]
+    x = jnp.swapaxes(q_BTHD, 1, 2)  # [B, H, T, d]
+    h = x
+    for i, w in enumerate(theta):
+        h = jnp.matmul(h, w.astype(h.dtype))
+        if i < len(theta) - 1:
+            h = act(h)
+    if residual:
+        h = h + x
+    return jnp.swapaxes(h, 1, 2)
+
+
+def _head_dim(cfg) -> int:
+    return cfg.head_dim or cfg.d_model // cfg.num_heads
+
+
+def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> Attention:
+    return Attention(cfg.d_model, cfg.num_heads, _head_dim(cfg), window=window,
+                     num_persistent=cfg.num_persistent, rope_theta=cfg.rope_theta, std=cfg.init_std,
+                     out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), out_proj=out_proj, rngs=rngs)
+
+
+def _select(flag, a, b):
+    """`a` where the scalar `flag` holds, else `b` (leaf by leaf)."""
+    return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# MAC
+
+
+class MACMixer(nnx.Module):
+    """Memory as a context. The stream is cut into segments of C = `segment_len` tokens; per segment
+
+      1. retrieve `h_j = M*_{s-1}(q_j)`, q_j = L2(SiLU(x_j W_R)): a pure read of the memory MLP with
+         the state left by the previous segments (the current segment's writes are invisible);
+         `r_j = RMSNorm(h_j W_h)` are the retrieved tokens;
+      2. attend over `[persistent ‖ r ‖ x]` of this segment: query i sees all N_p persistent
+         entries and r_j, x_j for j <= i (r_j depends on x_j, so this keeps causality), giving
+         `y = Attn(...) W_o` (N_p + 2C keys per query: O(T·C), never a T×T mask);
+      3. write y into the memory: the LMM mixer over the segment (its k, v, q are projections of
+         RMSNorm(y)) from the state after the previous segment; its per-token read is
+         read-after-write, so it is causal token by token;
+      4. output `o = y ⊙ σ(RMSNorm(M_s(y)))` (Titans eq. 25, `y ⊗ M*(y)` as a sigmoid gate).
+
+    `lax.scan` over segments carries the memory state and the LMM's conv state. Decoding keeps the
+    retrieval weights of the current segment, the LMM's stream state and the current segment's
+    attention keys/values (at most C of each), so memory per token is constant.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.segment_len = cfg.segment_len
+        self.num_heads, self.head_dim = cfg.num_heads, _head_dim(cfg)
+        width = self.num_heads * self.head_dim
+        mem = cfg.memory
+        self.read_options = dict(activation=mem.activation, residual=mem.residual)
+        # Segments that start on a mini-batch boundary let the memory op take its static fast path.
+        self.aligned = cfg.segment_len % mem.minibatch == 0
+        self.attn = _attention(cfg, window=0, rngs=rngs)
+        self.retrieve_q = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
+        self.retrieve_o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=cfg.init_std, rngs=rngs)
+        self.retrieved_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.lmm_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
+        self.gate_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+
+    # --- pieces shared by training and decoding -----------------------------------------------
+    def _retrieval_query(self, x_BTD):
+        b, t, _ = x_BTD.shape
+        q = self.retrieve_q(x_BTD).reshape(b, t, self.num_heads, self.head_dim)
+        return l2_normalize(jax.nn.silu(q))
+
+    def _retrieved_kv(self, theta, q_r, pos_T):
+        """Keys and values of the retrieved tokens `M*(q_r)` under memory weights θ."""
+        b, t = q_r.shape[:2]
+        h = mlp_read(theta, q_r, **self.read_options).reshape(b, t, -1)
+        r = self.retrieved_norm(self.retrieve_o(h.astype(q_r.dtype)))
+        return self.attn.key_value(r, pos_T)
+
+    def _keys(self, b, dtype, k_r, v_r, k_x, v_x):
+        """`[persistent ‖ retrieved ‖ segment]` keys and values."""
+        pkv = self.attn.persistent_kv(b, dtype)
+        ks, vs = [k_r, k_x], [v_r, v_x]
+        if pkv is not None:
+            ks, vs = [pkv[0]] + ks, [pkv[1]] + vs
+        return jnp.concatenate(ks, 1), jnp.concatenate(vs, 1)
+
+    def _output(self, y_BTHK, lmm_cache):
+        """Steps 3-4: write y into the memory, gate y by the memory's read."""
+        y = self.attn.project_out(y_BTHK)
+        m, lmm_cache = self.lmm(self.lmm_norm(y), lmm_cache)
+        return y * jax.nn.sigmoid(self.gate_norm(m)), lmm_cache
+
+    def _lmm_state_in(self, state: NeuralMemoryState, length: int):
+        # A (θ, U) pair starts a new mini-batch statically (fast path of the op); a stream state
+        # (traced position) is needed mid-mini-batch and by the one-token step.
+        if self.aligned and length > 1:
+            return (state.theta, state.U)
+        return state
+
+    def _segment(self, carry, seg):
+        """One segment of L <= C tokens starting on a segment boundary (training / prefill)."""
+        state, convs = carry
+        x, q_r, q, k_x, v_x, pos = seg
+        b, length, _ = x.shape
+        k_r, v_r = self._retrieved_kv(state.theta, q_r, pos)
+        keys, values = self._keys(b, k_x.dtype, k_r, v_r, k_x, v_x)
+        causal = np.tril(np.ones((length, length), bool))
+        n_p = keys.shape[1] - 2 * length
+        mask = with_prefix_mask(jnp.asarray(np.concatenate([causal, causal], 1)), n_p)
+        y = masked_attention(q, keys, values, mask)
+        out, lmm_cache = self._output(y, {"convs": convs, "state": self._lmm_state_in(state, length)})
+        new = lmm_cache["state"]
+        return (NeuralMemoryState(new.theta, new.U, new.theta_start, new.pos), lmm_cache["convs"]), \
+            (out, (k_r, v_r, k_x, v_x))
+
+    def _segments(self, x_BTD, start, state, convs):
+        """Whole segments then a remainder, from a segment boundary at absolute position `start`.
+
+        Returns the outputs, the carry before and after the last (possibly partial) segment, and
+        that segment's keys/values (empty when T is a multiple of C)."""
+        b, t, _ = x_BTD.shape
+        c = self.segment_len
+        pos = start + jnp.arange(t, dtype=jnp.int32)
+        q_r = self._retrieval_query(x_BTD)
+        q = self.attn.query(x_BTD, pos)
+        k_x, v_x = self.attn.key_value(x_BTD, pos)
+        seqs = (x_BTD, q_r, q, k_x, v_x)
+        n, rem = divmod(t, c)
+        carry = (state, convs)
+        outs = []
+        if n:
+            def split(z):  # [B, n*C, ...] -> [n, B, C, ...]
+                z = z[:, :n * c]
+                return jnp.moveaxis(z.reshape((b, n, c) + z.shape[2:]), 1, 0)
+
+            xs = tuple(split(z) for z in seqs) + (pos[:n * c].reshape(n, c),)
+            carry, (out, _) = lax.scan(self._segment, carry, xs)
+            outs.append(jnp.moveaxis(out, 0, 1).reshape((b, n * c) + out.shape[3:]))
+        last_kv = None
+        before_last = carry
+        if rem:
+            seg = tuple(z[:, n * c:] for z in seqs) + (pos[n * c:],)
+            carry, (out, last_kv) = self._segment(carry, seg)
+            outs.append(out)
+        return jnp.concatenate(outs, 1) if len(outs) > 1 else outs[0], before_last, carry, last_kv
+
+    # --- training -----------------------------------------------------------------------------
+    def __call__(self, x_BTD, cache=None):
+        if cache is not None:
+            return self._decode(x_BTD, cache)
+        b = x_BTD.shape[0]
+        lmm0 = self.lmm.init_cache(b, 0, x_BTD.dtype)
+        out, *_ = self._segments(x_BTD, 0, lmm0["state"], lmm0["convs"])
+        return out, None
+
+    # --- decoding -----------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        shape = (batch, self.segment_len, self.num_heads, self.head_dim)
+        lmm = self.lmm.init_cache(batch, max_len, dtype)
+        return {"retrieval": lmm["state"].theta, "lmm": lmm,
+                "kv": tuple(jnp.zeros(shape, dtype) for _ in range(4)),  # k_r, v_r, k_x, v_x
+                "next": jnp.zeros((), jnp.int32)}
+
+    def _step(self, x_B1D, cache):
+        """One token: retrieve with the segment's start weights, attend to the segment so far."""
+        b = x_B1D.shape[0]
+        c = self.segment_len
+        pos = cache["next"]
+        p = pos % c
+        pos_T = pos[None]
+        k_r, v_r = self._retrieved_kv(cache["retrieval"], self._retrieval_query(x_B1D), pos_T)
+        k_x, v_x = self.attn.key_value(x_B1D, pos_T)
+        kv = tuple(lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), p, axis=1)
+                   for buf, new in zip(cache["kv"], (k_r, v_r, k_x, v_x)))
+        keys, values = self._keys(b, k_x.dtype, *(z.astype(k_x.dtype) for z in kv))
+        seen = jnp.arange(c) <= p
+        n_p = keys.shape[1] - 2 * c
+        mask = with_prefix_mask(jnp.concatenate([seen, seen])[None], n_p)  # [1, N_p + 2C]
+        y = masked_attention(self.attn.query(x_B1D, pos_T), keys, values, mask)
+        out, lmm = self._output(y, cache["lmm"])
+        # The segment ends with this token: later tokens retrieve from the memory it leaves.
+        retrieval = _select(p == c - 1, lmm["state"].theta, cache["retrieval"])
+        return out, {"retrieval": retrieval, "lmm": lmm, "kv": kv, "next": pos + 1}
+
+    def _prefill(self, x_BTD, cache):
+        """T tokens from a segment boundary: the training path (segments in parallel)."""
+        t = x_BTD.shape[1]
+        c = self.segment_len
+        lmm = cache["lmm"]
+        out, before, (state, convs), last_kv = self._segments(x_BTD, cache["next"], lmm["state"], lmm["convs"])
+        if last_kv is None:  # ends on a segment boundary: the next segment starts empty
+            retrieval, kv = state.theta, cache["kv"]
+        else:
+            retrieval = before[0].theta
+            kv = tuple(jnp.pad(z.astype(buf.dtype), ((0, 0), (0, c - z.shape[1]), (0, 0), (0, 0)))
+                       for z, buf in zip(last_kv, cache["kv"]))
+        return out, {"retrieval": retrieval, "lmm": {"convs": convs, "state": state}, "kv": kv,
+                     "next": cache["next"] + t}
+
+    def _decode(self, x_BTD, cache):
+        if x_BTD.shape[1] == 1:
+            return self._step(x_BTD, cache)
+
+        def by_tokens(x, cache):
+            def body(cache, x_t):
+                out, cache = self._step(x_t[:, None], cache)
+                return cache, out[:, 0]
+
+            cache, out = lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
+            return jnp.moveaxis(out, 0, 1), cache
+
+        return lax.cond(cache["next"] % self.segment_len == 0, self._prefill, by_tokens, x_BTD, cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# MAG and MAL
+
+
+class MAGMixer(nnx.Module):
+    """Memory as a gate: sliding-window attention over `[persistent ‖ x]` (window `model.window`)
+    and the LMM over x run in parallel; per head both are RMS-normalised and mixed by a learned
+    sigmoid gate from x, `o = (g ⊙ RMSNorm(attn) + (1 - g) ⊙ RMSNorm(LMM)) W_o`, g = σ(x W_g)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.num_heads, self.head_dim = cfg.num_heads, _head_dim(cfg)
+        width = self.num_heads * self.head_dim
+        self.attn = _attention(cfg, window=cfg.window, out_proj=False, rngs=rngs)
+        self.lmm = NeuralMemoryMixer(cfg, output=False, rngs=rngs)
+        self.attn_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
+        self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
+        self.o = Dense(width, cfg.d_model, axes=("heads", "embed"),
+                       std=cfg.init_std / math.sqrt(2 * cfg.num_layers), rngs=rngs)
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        return {"attn": self.attn.init_cache(batch, max_len, dtype), "lmm": self.lmm.init_cache(batch, max_len, dtype)}
+
+    def __call__(self, x_BTD, cache=None):
+        b, t, _ = x_BTD.shape
+        a, attn_cache = self.attn.heads(x_BTD, None if cache is None else cache["attn"])
+        m, lmm_cache = self.lmm.heads(x_BTD, None if cache is None else cache["lmm"])
+        g = jax.nn.sigmoid(self.gate(x_BTD)).reshape(b, t, self.num_heads, self.head_dim)
+        mixed = g * self.attn_norm(a) + (1.0 - g) * m.astype(a.dtype)
+        y = self.o(mixed.reshape(b, t, -1))
+        return y, (None if cache is None else {"attn": attn_cache, "lmm": lmm_cache})
+
+
+class MALMixer(nnx.Module):
+    """Memory as a layer: the LMM, then sliding-window attention over `[persistent ‖ ·]`, as two
+    pre-norm residual sub-layers inside one mixer: `u = LMM(x)`, `o = u + Attn(RMSNorm(x + u))`
+    (x is the block's normalised input; the block adds o to the residual stream, then its MLP)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.attn = _attention(cfg, window=cfg.window, rngs=rngs)
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        return {"lmm": self.lmm.init_cache(batch, max_len, dtype), "attn": self.attn.init_cache(batch, max_len, dtype)}
+
+    def __call__(self, x_BTD, cache=None):
+        u, lmm_cache = self.lmm(x_BTD, None if cache is None else cache["lmm"])
+        a, attn_cache = self.attn(self.attn_norm(x_BTD + u), None if cache is None else cache["attn"])
+        return u + a, (None if cache is None else {"lmm": lmm_cache, "attn": attn_cache})

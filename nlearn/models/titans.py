@@ -1,0 +1,53 @@
+"""Titans backbones: MAC (memory as a context), MAG (memory as a gate), MAL (memory as a layer).
+
+The shared backbone (`nlearn.models.lm`) with a Titans mixer in every block; the mixers live in
+`nlearn.layers.titans`. Config keys beyond the memory section: `model.num_persistent` (all three),
+`model.segment_len` (MAC), `model.window` (MAG, MAL: the sliding window, > 0).
+"""
+
+from __future__ import annotations
+
+from nlearn.errors import UserError
+from nlearn.layers.titans import MACMixer, MAGMixer, MALMixer
+from nlearn.memory_config import validate_neural_memory
+from nlearn.models import register
+
+
+def _fail(key: str, value, why: str):
+    raise UserError(f"invalid config value model.{key}={value!r}: {why}")
+
+
+def _int_at_least(model, key: str, low: int):
+    if key not in model:
+        _fail(key, None, "missing (start from a configs/titans_*.py file)")
+    value = model[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(key, value, f"must be an integer >= {low}")
+
+
+def _validate_common(config) -> None:
+    validate_neural_memory(config)
+    model = config.model
+    head_dim = model.head_dim or model.d_model // model.num_heads
+    if head_dim % 2:
+        _fail("head_dim", head_dim, "RoPE needs an even head dimension")
+    _int_at_least(model, "num_persistent", 0)
+
+
+def validate_mac(config) -> None:
+    _validate_common(config)
+    _int_at_least(config.model, "segment_len", 1)
+
+
+def validate_windowed(config) -> None:
+    _validate_common(config)
+    _int_at_least(config.model, "window", 1)
+
+
+def _mixer(cls):
+    return lambda cfg, layer_index, rngs: cls(cfg, rngs=rngs)
+
+
+register("titans_mac", _mixer(MACMixer), validate_mac)
+register("titans_mag", _mixer(MAGMixer), validate_windowed)
+register("titans_mal", _mixer(MALMixer), validate_windowed)
