@@ -9,7 +9,7 @@ from nlearn.presets import family_config
 PRESETS = {
     "tiny": dict(d_model=256, num_layers=4, num_heads=4),
     # DeltaNet paper sizes (Yang et al. 2024), 32k vocabulary, untied head.
-    "340m": dict(d_model=1024, num_layers=24, num_heads=8, tie_embeddings=False),
+    "340m": dict(d_model=1024, num_layers=24, num_heads=8, mlp_dim=2048, tie_embeddings=False),
     "760m": dict(d_model=1536, num_layers=24, num_heads=12, tie_embeddings=False),
 }
 

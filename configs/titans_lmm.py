@@ -10,10 +10,10 @@ from nlearn.presets import family_config
 
 PRESETS = {
     "tiny": dict(d_model=256, num_layers=4, num_heads=4),
-    "170m": dict(d_model=768, num_layers=12, num_heads=12, tie_embeddings=False),
-    "340m": dict(d_model=1024, num_layers=24, num_heads=16, tie_embeddings=False),
-    "400m": dict(d_model=1024, num_layers=28, num_heads=16, tie_embeddings=False),
-    "760m": dict(d_model=1536, num_layers=24, num_heads=16, tie_embeddings=False),
+    "170m": dict(d_model=768, num_layers=14, num_heads=12, tie_embeddings=False),
+    "340m": dict(d_model=1024, num_layers=20, num_heads=16, tie_embeddings=False),
+    "400m": dict(d_model=1024, num_layers=24, num_heads=16, tie_embeddings=False),
+    "760m": dict(d_model=1536, num_layers=22, num_heads=16, tie_embeddings=False),
 }
 
 

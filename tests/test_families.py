@@ -2,6 +2,7 @@
 step-by-step decoding (recurrent state / bounded KV cache) equals the full forward."""
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +48,15 @@ def test_family_decoding_matches_full_forward(family):
         logits, cache = decode(tokens[:, i:i + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=1e-4)
+
+
+PAPER_PRESETS = [(family, preset) for family in FAMILIES
+                 for preset in importlib.import_module(family).PRESETS if preset != "tiny"]
+
+
+@pytest.mark.parametrize("family,preset", PAPER_PRESETS)
+def test_paper_presets_have_their_named_sizes(family, preset):
+    """Counted without allocating (nnx.eval_shape); within 15% of the name."""
+    n = models.count_params(importlib.import_module(family).get_config(preset))
+    target = float(re.sub("[mb]$", "", preset)) * (1e9 if preset.endswith("b") else 1e6)
+    assert abs(n - target) / target <= 0.15, f"{family}:{preset} has {n / 1e6:.1f}M parameters"

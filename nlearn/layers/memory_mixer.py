@@ -20,6 +20,7 @@ from nlearn.memory.linear_attention import LinearAttentionState, linear_attentio
 from nlearn.memory.neural_memory import init_state as neural_memory_init_state
 from nlearn.memory.neural_memory import neural_memory, neural_memory_step
 from nlearn.memory.inner_optimizers import get_inner_optimizer
+from nlearn.memory.ttt import ttt_linear, ttt_linear_init_state, ttt_linear_step
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -211,3 +212,38 @@ class NeuralMemoryMixer(MemoryMixer):
             return o[:, None], state
         return neural_memory(q, k, v, lr=lr, momentum=momentum, decay=decay, initial_state=state,
                              return_stream_state=True, **self.options)
+
+
+class TTTLinearMixer(MemoryMixer):
+    """TTT-Linear (Sun et al. 2024): inner model `f(x) = x + LN(x W + b)` trained by mini-batch GD.
+
+    The learned `W0, b0` and the inner LayerNorm's affine are outer-loop parameters; the per-token
+    inner rate is `eta = base_lr * sigmoid(x W_eta) / head_dim` (the TTT paper's choice).
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        h, d = self.num_heads, self.head_dim
+        self.minibatch, self.base_lr = cfg.memory.minibatch, cfg.memory.base_lr
+        self.w0 = param(rngs, (h, d, d), ("heads", None, None), std=cfg.init_std)
+        self.b0 = param(rngs, (h, d), ("heads", None), init="zeros")
+        self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
+        self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
+        self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
+
+    def gates(self, x_BTD):
+        eta = jax.nn.sigmoid(self.lr_gate(x_BTD).astype(jnp.float32))
+        return (self.base_lr * eta / self.head_dim,)
+
+    def initial_state(self, batch):
+        return ttt_linear_init_state(self.w0[...], self.b0[...], batch)
+
+    def memory(self, q, k, v, gates, state):
+        (eta,) = gates
+        ln = dict(ln_scale=self.ln_scale[...], ln_bias=self.ln_bias[...], minibatch=self.minibatch)
+        if state is None:
+            return ttt_linear(q, k, v, eta, W0=self.w0[...], b0=self.b0[...], **ln)
+        if q.shape[1] == 1:
+            o, state = ttt_linear_step(q[:, 0], k[:, 0], v[:, 0], eta[:, 0], state, **ln)
+            return o[:, None], state
+        return ttt_linear(q, k, v, eta, initial_state=state, **ln)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer
+from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
@@ -17,3 +17,4 @@ register("linear_attention", _mixer(LinearAttentionMixer))
 register("deltanet", _mixer(DeltaNetMixer))
 register("gated_deltanet", _mixer(DeltaNetMixer, gated=True))
 register("titans_lmm", _mixer(NeuralMemoryMixer), validate_neural_memory)
+register("ttt_linear", _mixer(TTTLinearMixer))

@@ -31,27 +31,36 @@ def token_losses(graphdef, params, inputs_BT, targets_BT, dtype):
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_accum: int, dtype):
-    """`(state, batch) -> (state, metrics)`; gradients averaged over `grad_accum` micro-batches."""
+    """`(state, batch) -> (state, metrics)`; gradients averaged over `grad_accum` micro-batches.
 
-    def loss_fn(params, inputs, targets):
-        return jnp.mean(token_losses(graphdef, params, inputs, targets, dtype))
+    The loss is the mean token cross-entropy, or, when the batch carries `weights` (e.g. MQAR,
+    where only answers count), the weighted mean over the whole batch.
+    """
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    def loss_parts(params, mb):
+        losses = token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype)
+        w = mb["weights"].astype(jnp.float32) if "weights" in mb else jnp.ones_like(losses)
+        return jnp.sum(losses * w), jnp.sum(w)
 
     def train_step(state, batch):
-        inputs, targets = batch["inputs"], batch["targets"]
-        if grad_accum == 1:
-            loss, grads = grad_fn(state["params"], inputs, targets)
-        else:
-            micro = lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+        total_weight = jnp.sum(batch["weights"].astype(jnp.float32)) if "weights" in batch else float(
+            batch["targets"].size)
+        total_weight = jnp.maximum(total_weight, 1.0)
 
+        def loss_fn(params, mb):
+            loss_sum, _ = loss_parts(params, mb)
+            return loss_sum / total_weight
+
+        grad_fn = jax.value_and_grad(loss_fn)
+        if grad_accum == 1:
+            loss, grads = grad_fn(state["params"], batch)
+        else:
             def accumulate(carry, mb):
-                loss, grads = grad_fn(state["params"], *mb)
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                return jax.tree.map(jnp.add, carry, grad_fn(state["params"], mb)), None
 
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
-            (loss, grads), _ = jax.lax.scan(accumulate, zero, (micro(inputs), micro(targets)))
-            loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+            (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
