@@ -50,8 +50,18 @@ def test_family_decoding_matches_full_forward(family):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=1e-4)
 
 
-PAPER_PRESETS = [(family, preset) for family in FAMILIES
-                 for preset in importlib.import_module(family).PRESETS if preset != "tiny"]
+def _paper_presets():
+    """(family, preset) pairs; beyond each family's smallest paper size they are marked slow
+    (tracing a 24-layer model abstractly takes seconds on 2 cores)."""
+    out = []
+    for family in FAMILIES:
+        presets = [p for p in importlib.import_module(family).PRESETS if p != "tiny"]
+        out.append((family, presets[0]))
+        out += [pytest.param(family, p, marks=pytest.mark.slow) for p in presets[1:]]
+    return out
+
+
+PAPER_PRESETS = _paper_presets()
 
 
 @pytest.mark.parametrize("family,preset", PAPER_PRESETS)
