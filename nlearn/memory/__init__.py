@@ -1,1 +1,5 @@
 """Pure functional memory ops (no Flax, no configs)."""
+
+from nlearn.memory.delta import delta_rule, delta_rule_step, gated_delta_rule, gated_delta_rule_step, unit_lower_inverse
+from nlearn.memory.linear_attention import LinearAttentionState, linear_attention, linear_attention_step
+from nlearn.memory.ttt import TTTState, ttt_linear, ttt_linear_init_state, ttt_linear_step
