@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer
+from nlearn.layers.memory_mixer import TTTMLPMixer
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
@@ -18,3 +19,4 @@ register("deltanet", _mixer(DeltaNetMixer))
 register("gated_deltanet", _mixer(DeltaNetMixer, gated=True))
 register("titans_lmm", _mixer(NeuralMemoryMixer), validate_neural_memory)
 register("ttt_linear", _mixer(TTTLinearMixer))
+register("ttt_mlp", _mixer(TTTMLPMixer))
