@@ -83,113 +83,228 @@ def _read(x, z, scale, bias):
     return x + scale * zh + bias
 
 
-def _minibatch(carry, x, scale, bias, precision):
-    """Dual form of one mini-batch for all `[B,H]`.
+def _mb_forward(w, b, x, scale, bias, precision):
+    """Dual form of one mini-batch for all `[B,H]` from its start state `(w, b)`.
 
-    carry = (W, b, pending): W, b `[B,H,D,D]`, `[B,H,D]` are where the mini-batch starts, so
-    gradients are taken there; `pending` is None, or the `(ΔW, Δb)` already applied inside this
-    mini-batch by a previous call (a stream resumed mid-mini-batch), which reads and the update
-    must include. x = (q, k, v `[B,H,C,D]`, ke = η ⊙ k, eta `[B,H,C]`, attn `[B,H,C,C]` =
-    `tril(q kᵀ + 1) ⊙ η_j`); scale, bias `[H,1,D]`. Returns ((W', b'), Z̄ `[B,H,C,D]`), the
-    pre-LayerNorm reads.
+    x = (q, k, v, ke = η ⊙ k `[B,H,C,D]`, eta `[B,H,C]`, attn `[B,H,C,C]` = `tril(q kᵀ + 1) ⊙ η_j`);
+    scale, bias `[H,1,D]`. Returns (W', b', Z̄, G, x̂, r, c): the pre-LayerNorm reads `Z̄`, the
+    inner gradients `G = ∇_Z l` at `Z = k w + b`, and what the backward pass needs of the
+    LayerNorm: `x̂ = LN(Z)`, `r = 1/σ`, `c = mean(γ ⊙ x̂)` with `γ = (f(k) − v) ⊙ scale`.
     """
-    w, b, pending = carry
     q, k, v, ke, eta, attn = x
-    c = q.shape[-2]
+    n, d = q.shape[-2], q.shape[-1]
     z = jnp.einsum("bhcd,bhde->bhce", jnp.concatenate([k, q], axis=-2), w, precision=precision) + b[..., None, :]
-    g = _inner_grad(z[..., :c, :], k, v, scale, bias)  # ∇_Z l_j at the start state
-    zbar = z[..., c:, :] - jnp.einsum("bhij,bhjd->bhid", attn, g, precision=precision)
+    zk = z[..., :n, :]
+    zc = zk - jnp.mean(zk, axis=-1, keepdims=True)
+    r = jax.lax.rsqrt(jnp.mean(zc * zc, axis=-1, keepdims=True) + LN_EPS)
+    xh = zc * r
+    gam = (k + scale * xh + bias - v) * scale
+    a, c = jnp.split(jnp.sum(jnp.stack([gam, gam * xh]), axis=-1, keepdims=True) / d, 2)
+    g = r * (gam - a[0] - xh * c[0])
+    zbar = z[..., n:, :] - jnp.einsum("bhij,bhjd->bhid", attn, g, precision=precision)
     w = w - jnp.einsum("bhjd,bhje->bhde", ke, g, precision=precision)
     b = b - jnp.sum(eta[..., None] * g, axis=-2)
-    if pending is not None:
-        dw, db = pending
-        zbar = zbar - jnp.einsum("bhcd,bhde->bhce", q, dw, precision=precision) - db[..., None, :]
-        w, b = w - dw, b - db
-    return (w, b), zbar
+    return w, b, zbar, g, xh, r, c[0]
+
+
+def _inner_grad_bwd(dg, g, xh, r, c, k, v, scale, bias):
+    """Adjoint of `G = _inner_grad(Z, k, v, scale, bias)` from the saved `x̂, r, c`.
+
+    Returns `(dZ, dk, dv, dscale_rows, dbias_rows)`; the last two are per row (`[...,C,D]`) and
+    still need summing over rows. Two stacked row reductions instead of autodiff's many.
+    """
+    d = xh.shape[-1]
+    e = k + scale * xh + bias - v
+    gam = e * scale
+    r1, r2, r3 = jnp.sum(jnp.stack([dg, dg * xh, dg * g]), axis=-1, keepdims=True)
+    a_bar, c_bar = -r * r1, -r * r2
+    gam_bar = r * dg + (a_bar + c_bar * xh) / d
+    e_bar = scale * gam_bar
+    xh_bar = -r * c * dg + c_bar * gam / d + scale * e_bar
+    r4, r6 = jnp.sum(jnp.stack([xh_bar * xh, xh_bar]), axis=-1, keepdims=True)
+    r_bar = (r3 + r4) / r
+    dz = r * xh_bar - (r * r * r_bar * xh + r * r6) / d  # Σ x̂ = 0
+    return dz, e_bar, -e_bar, e * gam_bar + xh * e_bar, e_bar
+
+
+def _mb_slice(x_step, i, mb):
+    """Mini-batch i of one scan step: xs entries are `[B,H,span,...]`, attn is `[B,H,group,C,C]`."""
+    q, k, v, ke, eta, attn = x_step
+    sl = slice(i * mb, (i + 1) * mb)
+    return q[..., sl, :], k[..., sl, :], v[..., sl, :], ke[..., sl, :], eta[..., sl], attn[..., i, :, :]
+
+
+def _scan_forward(w0, b0, xs, scale, bias, group, precision):
+    """`lax.scan` over steps of `group` mini-batches; xs as in `_ttt_scan`.
+
+    Returns (Z̄, G, x̂ `[S,B,H,span,D]`, r, c `[S,B,H,span,1]`, the states entering each step, the
+    final state).
+    """
+    mb = xs[5].shape[-1]
+
+    def body(carry, x_step):
+        w, b = carry
+        outs = []
+        for i in range(group):
+            w, b, *out = _mb_forward(w, b, _mb_slice(x_step, i, mb), scale, bias, precision)
+            outs.append(out)
+        joined = tuple(jnp.concatenate(o, axis=-2) for o in zip(*outs))
+        return (w, b), (*joined, carry[0])
+
+    (w_fin, b_fin), (zbar, g, xh, r, c, w_in) = jax.lax.scan(body, (w0, b0), xs)
+    return zbar, g, (xh, r, c), w_in, w_fin, b_fin
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ttt_scan(w0, b0, xs, ln, group, precision):
+    """Sequential part of the dual form: (Z̄, G `[S,B,H,span,D]`, W_fin, b_fin).
+
+    w0, b0: start state; xs = (q, k, v, ke = η⊙k `[S,B,H,span,D]`, eta `[S,B,H,span]`, attn
+    `[S,B,H,group,C,C]`), S scan steps of `group` mini-batches of C tokens (span = group·C);
+    ln = (scale, bias) `[H,1,D]`.
+
+    The custom VJP stores G and the LayerNorm's `x̂, r, c` per mini-batch and the state entering
+    each step, recomputes the states inside a step, and walks back with the hand-written adjoints
+    of `W' = W − (η⊙K)ᵀ G`, `b' = b − Σ η G`, `Z = [K;Q] W + b`, `Z̄ = Z_q − attn G` and of the
+    inner LayerNorm gradient (`_inner_grad_bwd`). The pieces that need no weights (`dattn`,
+    `attnᵀ dZ̄`, the LayerNorm affine's sums) are done for all mini-batches at once.
+    """
+    zbar, g, _, _, w_fin, b_fin = _scan_forward(w0, b0, xs, *ln, group, precision)
+    return zbar, g, w_fin, b_fin
+
+
+def _ttt_scan_fwd(w0, b0, xs, ln, group, precision):
+    zbar, g, saved, w_in, w_fin, b_fin = _scan_forward(w0, b0, xs, *ln, group, precision)
+    return (zbar, g, w_fin, b_fin), (xs, ln, g, saved, w_in)
+
+
+def _ttt_scan_bwd(group, precision, res, cts):
+    xs, (scale, bias), g_all, saved, w_in = res
+    dzbar_all, dg_out, dw_fin, db_fin = cts
+    ein = partial(jnp.einsum, precision=precision)
+    attn_all = xs[5]
+    s_, b_, h_, mb = attn_all.shape[0], attn_all.shape[1], attn_all.shape[2], attn_all.shape[-1]
+    blocks = lambda x: x.reshape(x.shape[:3] + (group, mb) + x.shape[4:])  # noqa: E731
+    # Z̄ = Z_q − attn G: the parts that need no weights, for every mini-batch at once.
+    dattn_all = -ein("...id,...jd->...ij", blocks(dzbar_all), blocks(g_all))
+    dg_all = dg_out - ein("...ij,...id->...jd", attn_all, blocks(dzbar_all)).reshape(dzbar_all.shape)
+
+    def body(carry, x):
+        lam_w, lam_b, dscale, dbias = carry
+        x_step, g_s, (xh_s, r_s, c_s), dzbar_s, dg_s, w0 = x
+        sl = [slice(i * mb, (i + 1) * mb) for i in range(group)]
+        ws = [w0]  # states entering each mini-batch of the step, recomputed as in the forward
+        for i in range(group - 1):
+            ws.append(ws[-1] - ein("bhjd,bhje->bhde", x_step[3][..., sl[i], :], g_s[..., sl[i], :]))
+        grads = [None] * group
+        for i in reversed(range(group)):
+            q, k, v, ke, eta, _ = _mb_slice(x_step, i, mb)
+            g, xh, r, c = (y[..., sl[i], :] for y in (g_s, xh_s, r_s, c_s))
+            # W' = W − keᵀ G and b' = b − Σ η G, with lam_* the cotangents of W', b'.
+            dg = dg_s[..., sl[i], :] - ein("bhjd,bhde->bhje", ke, lam_w) - eta[..., None] * lam_b[..., None, :]
+            dke = -ein("bhje,bhde->bhjd", g, lam_w)
+            deta = -jnp.sum(g * lam_b[..., None, :], axis=-1)
+            dzk, dk_inner, dv, dsc, dbi = _inner_grad_bwd(dg, g, xh, r, c, k, v, scale, bias)
+            # Z = [K; Q] W + b.
+            dz = jnp.concatenate([dzk, dzbar_s[..., sl[i], :]], axis=-2)
+            lam_w = lam_w + ein("bhcd,bhce->bhde", jnp.concatenate([k, q], axis=-2), dz)
+            lam_b = lam_b + jnp.sum(dz, axis=-2)
+            dkq = ein("bhce,bhde->bhcd", dz, ws[i])
+            grads[i] = (dkq[..., mb:, :], dkq[..., :mb, :] + dk_inner, dv, dke, deta)
+            dscale, dbias = dscale + dsc, dbias + dbi
+        joined = tuple(jnp.concatenate(gr, axis=-1 if gr[0].ndim == 3 else -2) for gr in zip(*grads))
+        return (lam_w, lam_b, dscale, dbias), joined
+
+    rows = jnp.zeros((b_, h_, mb, xs[0].shape[-1]), jnp.float32)  # per-row sums of the affine's cotangents
+    carry0 = (dw_fin, db_fin, rows, rows)
+    (dw0, db0, dscale, dbias), (dq, dk, dv, dke, deta) = jax.lax.scan(
+        body, carry0, (xs, g_all, saved, dzbar_all, dg_all, w_in), reverse=True)
+    dscale = jnp.sum(dscale, axis=(0, 2))[:, None, :]  # [B,H,C,D] -> [H,1,D]
+    dbias = jnp.sum(dbias, axis=(0, 2))[:, None, :]
+    del s_
+    return dw0, db0, (dq, dk, dv, dke, deta, dattn_all), (dscale, dbias)
+
+
+_ttt_scan.defvjp(_ttt_scan_fwd, _ttt_scan_bwd)
 
 
 def _ttt_dual(q, k, v, eta, state: TTTState, offset_static: bool, minibatch: int, group: int, scale, bias,
               precision):
-    """Dual form over the sequence: `lax.scan` over groups of mini-batches, remat per group.
+    """Dual form over the sequence: the weight-independent work for all mini-batches at once, the
+    rest by `_ttt_scan`, then every read's LayerNorm at once.
 
-    `offset_static` means `state.pos` is known to be 0. Work that does not depend on the fast
-    weights (the masked `q kᵀ` of every mini-batch, `η ⊙ k`, the read LayerNorm) runs outside
-    the scan as large batched ops.
+    `offset_static` means `state.pos` is known to be 0. Otherwise the call resumes a mini-batch in
+    progress: the tokens are placed at its position (the empty slots before them have eta = 0 and
+    change nothing) and that first mini-batch, whose gradients are taken at `W_start` but which
+    reads and updates from the current `W`, is done before the scan.
     """
     bsz, t, h, d = q.shape
     mb = minibatch
     span = mb * group  # tokens per scan step
+    sc, bi = scale[:, None, :], bias[:, None, :]
+    ein = partial(jnp.einsum, precision=precision)
+    mask = jnp.tril(jnp.ones((mb, mb), bool))
+
+    def prepare(q_, k_, v_, eta_, chunk):
+        """Chunk-major `[S,B,H,chunk,...]` inputs of the scan, and attn `[S,B,H,chunk/C,C,C]`."""
+        q_, k_, v_ = (to_chunks_first(x, chunk) for x in (q_, k_, v_))
+        eta_ = to_chunks_first(eta_, chunk)
+        blk = lambda x: x.reshape(x.shape[:3] + (chunk // mb, mb) + x.shape[4:])  # noqa: E731
+        attn = jnp.where(mask, (ein("...id,...jd->...ij", blk(q_), blk(k_)) + 1.0) * blk(eta_)[..., None, :], 0.0)
+        return q_, k_, v_, k_ * eta_[..., None], eta_, attn
+
     if offset_static:
         offset = 0
-        length = -(-t // span) * span
-        place = lambda x: pad_time(x, span)  # noqa: E731
+        xs = prepare(*(pad_time(x, span) for x in (q, k, v, eta)), span)
+        w, b = state.W, state.b
+        first = None
     else:
-        # Put the tokens at the in-progress position of the current mini-batch; the empty
-        # slots before them have eta = 0 (and zero q, k, v), so they change nothing.
+        # Resume: gradients at W_start, reads and the update from W (they differ by what this
+        # mini-batch already wrote in the previous call).
         offset = state.pos
-        length = -(-(t + mb - 1) // span) * span
+        length = mb + -(-max(t - 1, 1) // span) * span
 
         def place(x):
             buf = jnp.zeros((bsz, length) + x.shape[2:], x.dtype)
             return jax.lax.dynamic_update_slice_in_dim(buf, x, offset, axis=1)
 
-    n_steps = length // span
-    q_c, k_c, v_c = (to_chunks_first(place(x), mb) for x in (q, k, v))  # [M,B,H,C,D], M mini-batches
-    eta_c = to_chunks_first(place(eta), mb)  # [M,B,H,C]
-    mask = jnp.tril(jnp.ones((mb, mb), bool))
-    attn_c = jnp.where(mask, (jnp.einsum("...id,...jd->...ij", q_c, k_c, precision=precision) + 1.0)
-                       * eta_c[..., None, :], 0.0)
-    xs = tuple(x.reshape((n_steps, group) + x.shape[1:])
-               for x in (q_c, k_c, v_c, k_c * eta_c[..., None], eta_c, attn_c))
-    # Mini-batch holding the last real token; its start state is the next call's W_start.
-    last_mb = (offset + t - 1) // mb
-    need_mark = not (offset_static and t % mb == 0)
-    sc, bi = scale[:, None, :], bias[:, None, :]
-
-    def group_step(carry, x_grp, n0):
-        w, b, pending, wm, bm = carry
-        outs = []
-        for i in range(group):
-            if need_mark:
-                hit = n0 + i == last_mb
-                wm = jnp.where(hit, w, wm)
-                bm = jnp.where(hit, b, bm)
-            (w, b), zbar = _minibatch((w, b, pending), tuple(x[i] for x in x_grp), sc, bi, precision)
-            if pending is not None:  # only the first mini-batch of a resumed stream has one
-                pending = jax.tree_util.tree_map(jnp.zeros_like, pending)
-            outs.append(zbar)
-        return (w, b, pending, wm, bm), jnp.stack(outs)
-
-    step = jax.checkpoint(group_step)
-
-    def body(carry, xi):
-        x_grp, idx = xi
-        return step(carry, x_grp, idx * group)
-
-    if offset_static:
-        carry = (state.W, state.b, None, state.W, state.b)
-    else:
-        pending = (state.W_start - state.W, state.b_start - state.b)
-        carry = (state.W_start, state.b_start, pending, state.W_start, state.b_start)
-    carry, zbar = jax.lax.scan(body, carry, (xs, jnp.arange(n_steps)))
-    w_fin, b_fin, _, wm, bm = carry
-    zbar = from_chunks_first(zbar.reshape((n_steps * group,) + zbar.shape[2:]), length)
-    if not offset_static:
+        placed = [place(x) for x in (q, k, v, eta)]
+        q0, k0, v0, ke0, eta0, attn0 = (x[0] for x in prepare(*(x[:, :mb] for x in placed), mb))
+        attn0 = attn0[..., 0, :, :]
+        zk0 = ein("bhcd,bhde->bhce", k0, state.W_start) + state.b_start[..., None, :]
+        g0 = _inner_grad(zk0, k0, v0, sc, bi)
+        zbar0 = ein("bhcd,bhde->bhce", q0, state.W) + state.b[..., None, :] - ein("bhij,bhjd->bhid", attn0, g0)
+        w = state.W - ein("bhjd,bhje->bhde", ke0, g0)
+        b = state.b - jnp.sum(eta0[..., None] * g0, axis=-2)
+        first = (zbar0, g0, ke0, eta0)
+        xs = prepare(*(x[:, mb:] for x in placed), span)
+    zbar, g, w_fin, b_fin = _ttt_scan(w, b, xs, (sc, bi), group, precision)
+    n_scan = xs[0].shape[0] * span
+    zbar, g = from_chunks_first(zbar, n_scan), from_chunks_first(g, n_scan)  # [B, n_scan, H, D]
+    if first is None:
+        k_time, eta_time = pad_time(k, span), pad_time(eta, span)
+    else:  # put the peeled mini-batch back in front
+        to_time = lambda x: jnp.moveaxis(x, 2, 1)  # noqa: E731  [B,H,C,D] -> [B,C,H,D]
+        zbar = jnp.concatenate([to_time(first[0]), zbar], axis=1)
+        g = jnp.concatenate([to_time(first[1]), g], axis=1)
+        k_time, eta_time = placed[1], placed[3]
         zbar = jax.lax.dynamic_slice_in_dim(zbar, offset, t, axis=1)
-    zbar = zbar[:, :t]
-    o = _read(q, zbar, scale, bias)
+    o = _read(q, zbar[:, :t], scale, bias)
+    # The next call's W_start: where the mini-batch holding the last token began. Later
+    # mini-batches are padding and change nothing, so it is W_fin with that mini-batch's update
+    # taken back (for the resumed first mini-batch: the old W_start).
     new_pos = (offset + t) % mb
-    if need_mark:
-        at_boundary = new_pos == 0
-        w_start = jnp.where(at_boundary, w_fin, wm)
-        b_start = jnp.where(at_boundary, b_fin, bm)
-    else:
-        w_start, b_start = w_fin, b_fin
+    last = (offset + t - 1) // mb * mb
+    g_m, k_m, eta_m = (jax.lax.dynamic_slice_in_dim(x, last, mb, axis=1) for x in (g, k_time, eta_time))
+    w_start = w_fin + ein("bjhd,bjhe->bhde", k_m * eta_m[..., None], g_m)
+    b_start = b_fin + ein("bjh,bjhd->bhd", eta_m, g_m)
+    if first is not None:
+        w_start = jnp.where(last == 0, state.W_start, w_start)
+        b_start = jnp.where(last == 0, state.b_start, b_start)
+    at_boundary = new_pos == 0
+    w_start = jnp.where(at_boundary, w_fin, w_start)
+    b_start = jnp.where(at_boundary, b_fin, b_start)
     return o, TTTState(w_fin, b_fin, w_start, b_start, jnp.asarray(new_pos, jnp.int32))
-
-
-def _zeros_state(q, v):
-    return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
 
 
 def _token_update(q_t, k_t, v_t, eta_t, state: TTTState, minibatch: int, scale, bias):

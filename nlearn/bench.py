@@ -1,0 +1,77 @@
+"""Timing helpers shared by the benchmark scripts: robust timings, the machine's matmul rate, tables.
+
+Numbers from a shared machine are noisy, so `time_fn` reports the median of several runs after a
+warm-up (compile) call, and also the minimum and the process CPU time (which other processes
+competing for the cores inflate less than the wall clock).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass
+class Timing:
+    """Seconds per call: median and min of the wall clock, median CPU time, and all samples."""
+
+    median: float
+    min: float
+    cpu_median: float
+    compile_s: float
+    samples: list[float] = field(default_factory=list)
+
+
+def time_fn(fn: Callable, *args, n: int = 5, warmup: int = 1, max_seconds: float | None = None) -> Timing:
+    """Time `fn(*args)` (a jitted function) with `block_until_ready`.
+
+    `warmup` calls first (the first one compiles; its time is `compile_s`), then up to `n` timed
+    calls; with `max_seconds`, stops early once that much time was spent timing (at least one
+    timed call always runs).
+    """
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    walls, cpus = [], []
+    spent = 0.0
+    for _ in range(max(1, n)):
+        c0, w0 = time.process_time(), time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        spent += walls[-1]
+        if max_seconds is not None and spent >= max_seconds:
+            break
+    return Timing(statistics.median(walls), min(walls), statistics.median(cpus), compile_s, walls)
+
+
+def matmul_gflops(size: int = 1024, n: int = 7, dtype=jnp.float32) -> float:
+    """This machine's rate for one jitted `size x size` matmul, GFLOP/s (median of `n`)."""
+    a = jnp.ones((size, size), dtype) / size
+    f = jax.jit(lambda x: x @ x)
+    t = time_fn(f, a, n=n)
+    return 2.0 * size**3 / t.median / 1e9
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; cells are formatted with `str`."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(list(headers)), sep] + [line(r) for r in cells])
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    """A number for a table; `None` prints as an em dash."""
+    if x is None:
+        return "—"
+    if abs(x) >= 1e5:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"

@@ -1,0 +1,248 @@
+"""Benchmark the memory ops: forward and training-step (fwd+bwd) time against their recurrent twins
+and causal softmax attention, with achieved GFLOP/s next to this machine's matmul rate.
+
+    python scripts/bench_ops.py                       # T = 1k, 4k, 16k, every op (~10 min on 2 cores)
+    python scripts/bench_ops.py --quick               # T = 1k, fewer repetitions
+    python scripts/bench_ops.py --ops=delta_rule --lengths=4096,8192 --acceptance
+
+Setup: B=1, H=4, D=64 (flags), float32, random unit-norm keys. "fwd+bwd" is `jax.grad` of
+`sum(o * w)` with respect to every float input (q, k, v, gates, learned init). Times are medians
+(see `nlearn.bench.time_fn`).
+
+FLOP counts are the useful multiply-adds (x2) of each chunked algorithm's forward, per head and
+token (Dk = Dv = D, C = chunk size, b = TTT mini-batch); fwd+bwd counts 3x forward:
+  linear_attention   4·D² + 4·C·D                   (Kᵀ V and Q S per chunk; tril(Q Kᵀ) V inside)
+  delta_rule         6·D² + 8·C·D + (2/3)·C²         (Q Kᵀ, K Kᵀ, WY inverse, T·rhs, K S, Q S, Kᵀ u, P u)
+  gated_delta_rule   same as delta_rule
+  ttt_linear         6·D² + 4·b·D                    ([K;Q] W, Kᵀ G, Q Kᵀ, attn G)
+  softmax attention  2·T·D per token on average      (causal half of Q Kᵀ and P V)
+
+To add an op (e.g. `neural_memory`), append a `Case` to `CASES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
+from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear  # noqa: E402
+
+
+@dataclass
+class Case:
+    """One benchmarked op.
+
+    make(rng, batch, length, heads, dim) -> tuple of input arrays (all float, all differentiated).
+    call(*inputs, impl) -> output `[B, T, H, D]`; `impl=None` means the op's default.
+    flops(length, heads, dim) -> useful forward FLOPs of the default (chunked) form, batch 1.
+    recurrent: the `impl` of the token-by-token twin (None: no twin).
+    """
+
+    name: str
+    make: Callable
+    call: Callable
+    flops: Callable
+    recurrent: str | None = "recurrent"
+
+
+def _qkv(rng, b, t, h, d):
+    q = rng.normal(size=(b, t, h, d))
+    k = rng.normal(size=(b, t, h, d))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(b, t, h, d))
+    return [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+
+
+def _gates(rng, b, t, h, low, high):
+    return jnp.asarray(rng.uniform(low, high, size=(b, t, h)), jnp.float32)
+
+
+LA_CHUNK, DELTA_CHUNK, TTT_MB = 64, 64, 16
+
+CASES: list[Case] = [
+    Case(
+        "linear_attention",
+        lambda rng, b, t, h, d: tuple(_qkv(rng, b, t, h, d)),
+        lambda q, k, v, impl=None: linear_attention(q, k, v, **({"impl": impl} if impl else {}))[0],
+        lambda t, h, d: h * t * (4 * d * d + 4 * LA_CHUNK * d),
+    ),
+    Case(
+        "delta_rule",
+        lambda rng, b, t, h, d: (*_qkv(rng, b, t, h, d), _gates(rng, b, t, h, 0.1, 1.0)),
+        lambda q, k, v, beta, impl=None: delta_rule(q, k, v, beta, **({"impl": impl} if impl else {}))[0],
+        lambda t, h, d: h * t * (6 * d * d + 8 * DELTA_CHUNK * d + 2 / 3 * DELTA_CHUNK**2),
+    ),
+    Case(
+        "gated_delta_rule",
+        lambda rng, b, t, h, d: (*_qkv(rng, b, t, h, d), _gates(rng, b, t, h, 0.1, 1.0),
+                                 _gates(rng, b, t, h, -0.1, 0.0)),
+        lambda q, k, v, beta, g, impl=None: gated_delta_rule(q, k, v, beta, g, **({"impl": impl} if impl else {}))[0],
+        lambda t, h, d: h * t * (6 * d * d + 8 * DELTA_CHUNK * d + 2 / 3 * DELTA_CHUNK**2),
+    ),
+    Case(
+        "ttt_linear",
+        lambda rng, b, t, h, d: (*_qkv(rng, b, t, h, d), _gates(rng, b, t, h, 0.0, 1.0 / d),
+                                 jnp.asarray(0.02 * rng.normal(size=(h, d, d)), jnp.float32),
+                                 jnp.zeros((h, d), jnp.float32), jnp.ones((h, d), jnp.float32),
+                                 jnp.zeros((h, d), jnp.float32)),
+        lambda q, k, v, eta, w0, b0, s, bb, impl=None: ttt_linear(
+            q, k, v, eta, W0=w0, b0=b0, ln_scale=s, ln_bias=bb, minibatch=TTT_MB,
+            **({"impl": impl} if impl else {}))[0],
+        lambda t, h, d: h * t * (6 * d * d + 4 * TTT_MB * d),
+    ),
+]
+
+
+def softmax_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def softmax_flops(t, h, d):
+    return h * 2 * t * t * d  # causal half of Q Kᵀ and P V, x2 for multiply-add
+
+
+def _programs(call, n_inputs, impl=None):
+    """Jitted forward and fwd+bwd (grad of `sum(o * w)` w.r.t. every input) of `call`."""
+    fwd = jax.jit(lambda *a: call(*a, impl=impl) if impl is not None else call(*a))
+
+    def loss(*a):
+        *inputs, w = a
+        o = call(*inputs, impl=impl) if impl is not None else call(*inputs)
+        return jnp.sum(o * w)
+
+    train = jax.jit(jax.grad(loss, argnums=tuple(range(n_inputs))))
+    return fwd, train
+
+
+def measure(call, inputs, w, impl, n, max_seconds):
+    fwd, train = _programs(call, len(inputs), impl)
+    t_fwd = time_fn(fwd, *inputs, n=n, max_seconds=max_seconds)
+    t_train = time_fn(train, *inputs, w, n=n, max_seconds=max_seconds)
+    return t_fwd, t_train
+
+
+def run(args) -> str:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    names = args.ops.split(",") if args.ops else [c.name for c in CASES]
+    cases = [c for c in CASES if c.name in names]
+    unknown = set(names) - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"unknown --ops {sorted(unknown)}; choose from {[c.name for c in CASES]}")
+    b, h, d = args.batch, args.heads, args.dim
+    rng = np.random.default_rng(0)
+    gflops_mm = matmul_gflops(args.matmul_size)
+    print(f"# devices: {jax.devices()}  matmul {args.matmul_size}^2 f32: {gflops_mm:.1f} GFLOP/s", flush=True)
+    rows, notes = [], []
+    softmax = {}
+    for t in lengths:
+        q, k, v = _qkv(rng, b, t, h, d)
+        w = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+        if t <= args.softmax_max_len:
+            softmax[t] = measure(lambda q_, k_, v_: softmax_attention(q_, k_, v_), (q, k, v), w, None,
+                                 max(1, args.reps // 2), args.max_seconds)
+            sf, st = softmax[t]
+            rows.append(["softmax attention (causal)", t, fmt(sf.median * 1e3), fmt(st.median * 1e3),
+                         fmt(b * t / st.median, 0), "—", "1.0",
+                         fmt(3 * b * softmax_flops(t, h, d) / st.median / 1e9)])
+            print(rows[-1], flush=True)
+        for case in cases:
+            inputs = case.make(rng, b, t, h, d)
+            t_fwd, t_train = measure(case.call, inputs, w, None, args.reps, args.max_seconds)
+            rec_ratio = None
+            if case.recurrent and t <= args.recurrent_max_len:
+                r_fwd, r_train = measure(case.call, inputs, w, case.recurrent, max(1, args.reps // 2),
+                                         args.max_seconds)
+                rec_ratio = (r_fwd.median / t_fwd.median, r_train.median / t_train.median)
+            sm_ratio = softmax[t][1].median / t_train.median if t in softmax else None
+            gf = 3 * b * case.flops(t, h, d) / t_train.median / 1e9
+            rows.append([
+                case.name, t, fmt(t_fwd.median * 1e3), fmt(t_train.median * 1e3),
+                fmt(b * t / t_train.median, 0),
+                "—" if rec_ratio is None else f"{rec_ratio[0]:.2f} / {rec_ratio[1]:.1f}",
+                fmt(sm_ratio), fmt(gf),
+            ])
+            print(rows[-1], flush=True)
+    headers = ["op", "T", "fwd ms", "fwd+bwd ms", "train tok/s", "x recurrent (fwd / fwd+bwd)",
+               "x softmax (fwd+bwd)", "GFLOP/s (fwd+bwd)"]
+    notes.append(f"B={b}, H={h}, D={d}, float32, {jax.default_backend()}; matmul {gflops_mm:.1f} GFLOP/s "
+                 f"({args.matmul_size}x{args.matmul_size} f32). Medians of up to {args.reps} runs.")
+    notes.append(f"x recurrent = time(impl='recurrent') / time(default): above T={args.recurrent_max_len} "
+                 "the recurrent twin is not run (—); softmax attention only up to "
+                 f"T={args.softmax_max_len}.")
+    return markdown_table(headers, rows) + "\n\n" + "\n".join(notes)
+
+
+def acceptance(args) -> str:
+    """The three numbers the memory ops are held to on CPU."""
+    rng = np.random.default_rng(1)
+    b, h, d = 1, 4, 64
+    by_name = {c.name: c for c in CASES}
+    lines = []
+    delta = by_name["delta_rule"]
+    for t, other in ((4096, "recurrent"), (8192, "softmax")):
+        inputs = delta.make(rng, b, t, h, d)
+        w = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+        _, t_train = measure(delta.call, inputs, w, None, args.reps, args.max_seconds)
+        if other == "recurrent":
+            _, o_train = measure(delta.call, inputs, w, "recurrent", max(1, args.reps // 2), args.max_seconds)
+        else:
+            _, o_train = measure(lambda q_, k_, v_: softmax_attention(q_, k_, v_), inputs[:3], w, None,
+                                 max(1, args.reps // 2), args.max_seconds)
+        lines.append(f"delta_rule fwd+bwd T={t}: {t_train.median * 1e3:.1f} ms (cpu {t_train.cpu_median * 1e3:.1f}); "
+                     f"{other} {o_train.median * 1e3:.1f} ms (cpu {o_train.cpu_median * 1e3:.1f}) -> "
+                     f"{o_train.median / t_train.median:.1f}x (cpu {o_train.cpu_median / t_train.cpu_median:.1f}x)")
+        print(lines[-1], flush=True)
+    ttt = by_name["ttt_linear"]
+    t = 4096
+    inputs = ttt.make(rng, b, t, h, d)
+    w = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    t_fwd, t_train = measure(ttt.call, inputs, w, None, args.reps, args.max_seconds)
+    lines.append(f"ttt_linear T={t} mini-batch {TTT_MB}: fwd+bwd {b * t / t_train.median:,.0f} tokens/s "
+                 f"(cpu-time {b * t / t_train.cpu_median:,.0f}), fwd {b * t / t_fwd.median:,.0f} tokens/s")
+    print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--ops", default="", help="comma list of case names (default: all)")
+    p.add_argument("--quick", action="store_true", help="T=1024 only, 3 repetitions")
+    p.add_argument("--acceptance", action="store_true", help="also run the acceptance checks")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--max_seconds", type=float, default=20.0, help="timing budget per program")
+    p.add_argument("--recurrent_max_len", type=int, default=4096)
+    p.add_argument("--softmax_max_len", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--matmul_size", type=int, default=1024)
+    p.add_argument("--out", default="", help="also write the markdown here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lengths, args.reps = "1024", 3
+    start = time.perf_counter()
+    text = run(args)
+    if args.acceptance:
+        text += "\n\n" + acceptance(args)
+    text += f"\n\n(bench took {time.perf_counter() - start:.0f} s)"
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
