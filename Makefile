@@ -9,7 +9,7 @@ PRESET ?= tiny
 WORKDIR ?= runs/$(MODEL)-$(PRESET)
 ARGS ?=
 
-.PHONY: setup train test test-all eval bench lint clean
+.PHONY: setup train test test-all eval bench mqar lint clean
 
 # uv resolves and downloads in parallel (~40 s here vs ~7 min for pip); pip is the fallback.
 INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python
@@ -42,6 +42,10 @@ eval: setup
 ## Benchmarks of the memory ops (prints a markdown table).
 bench: setup
 	$(BIN)/python scripts/bench_ops.py $(ARGS)
+
+## Train every family on MQAR and rewrite the README table.
+mqar: setup
+	$(BIN)/python scripts/mqar.py $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check nlearn scripts configs tests
