@@ -98,12 +98,13 @@ class MACMixer(nnx.Module):
         q = self.retrieve_q(x_BTD).reshape(b, t, self.num_heads, self.head_dim)
         return l2_normalize(jax.nn.silu(q))
 
-    def _retrieved_kv(self, theta, q_r, pos_T):
-        """Keys and values of the retrieved tokens `M*(q_r)` under memory weights θ."""
+    def _retrieve(self, theta, q_r, pos_T):
+        """The memory's answers `h = M*(q_r) [B, T, H, D]` under weights θ, and the keys and
+        values of the retrieved tokens they make."""
         b, t = q_r.shape[:2]
-        h = mlp_read(theta, q_r, **self.read_options).reshape(b, t, -1)
-        r = self.retrieved_norm(self.retrieve_o(h.astype(q_r.dtype)))
-        return self.attn.key_value(r, pos_T)
+        h = mlp_read(theta, q_r, **self.read_options).astype(q_r.dtype)
+        r = self.retrieved_norm(self.retrieve_o(h.reshape(b, t, -1)))
+        return h, self.attn.key_value(r, pos_T)
 
     def _keys(self, b, dtype, k_r, v_r, k_x, v_x):
         """`[persistent ‖ retrieved ‖ segment]` keys and values."""
@@ -129,58 +130,67 @@ class MACMixer(nnx.Module):
     def _segment(self, carry, seg):
         """One segment of L <= C tokens starting on a segment boundary (training / prefill)."""
         state, convs = carry
-        x, q_r, q, k_x, v_x, pos = seg
-        b, length, _ = x.shape
-        k_r, v_r = self._retrieved_kv(state.theta, q_r, pos)
+        q_r, q, k_x, v_x, pos = seg
+        b, length = q.shape[:2]
+        h, (k_r, v_r) = self._retrieve(state.theta, q_r, pos)
         keys, values = self._keys(b, k_x.dtype, k_r, v_r, k_x, v_x)
         causal = np.tril(np.ones((length, length), bool))
         n_p = keys.shape[1] - 2 * length
         mask = with_prefix_mask(jnp.asarray(np.concatenate([causal, causal], 1)), n_p)
         y = masked_attention(q, keys, values, mask)
         out, lmm_cache = self._output(y, {"convs": convs, "state": self._lmm_state_in(state, length)})
-        new = lmm_cache["state"]
-        return (NeuralMemoryState(new.theta, new.U, new.theta_start, new.pos), lmm_cache["convs"]), \
-            (out, (k_r, v_r, k_x, v_x))
+        # Same dtypes as the carry that came in (the op may compute in the activations' dtype).
+        new = jax.tree_util.tree_map(lambda a, b_: a.astype(b_.dtype), tuple(lmm_cache["state"]), tuple(state))
+        return (NeuralMemoryState(*new), lmm_cache["convs"]), (out, h, (k_r, v_r, k_x, v_x))
 
     def _segments(self, x_BTD, start, state, convs):
         """Whole segments then a remainder, from a segment boundary at absolute position `start`.
 
-        Returns the outputs, the carry before and after the last (possibly partial) segment, and
-        that segment's keys/values (empty when T is a multiple of C)."""
+        Returns the outputs, the retrieved `h [B, T, H, D]`, the carry before and after the last
+        (possibly partial) segment, and that segment's keys/values (None when C divides T)."""
         b, t, _ = x_BTD.shape
         c = self.segment_len
         pos = start + jnp.arange(t, dtype=jnp.int32)
         q_r = self._retrieval_query(x_BTD)
         q = self.attn.query(x_BTD, pos)
         k_x, v_x = self.attn.key_value(x_BTD, pos)
-        seqs = (x_BTD, q_r, q, k_x, v_x)
+        seqs = (q_r, q, k_x, v_x)
         n, rem = divmod(t, c)
         carry = (state, convs)
-        outs = []
+        outs, hs = [], []
         if n:
             def split(z):  # [B, n*C, ...] -> [n, B, C, ...]
                 z = z[:, :n * c]
                 return jnp.moveaxis(z.reshape((b, n, c) + z.shape[2:]), 1, 0)
 
             xs = tuple(split(z) for z in seqs) + (pos[:n * c].reshape(n, c),)
-            carry, (out, _) = lax.scan(self._segment, carry, xs)
-            outs.append(jnp.moveaxis(out, 0, 1).reshape((b, n * c) + out.shape[3:]))
+            carry, (out, h, _) = lax.scan(self._segment, carry, xs)
+            merge = lambda z: jnp.moveaxis(z, 0, 1).reshape((b, n * c) + z.shape[3:])  # noqa: E731
+            outs.append(merge(out))
+            hs.append(merge(h))
         last_kv = None
         before_last = carry
         if rem:
             seg = tuple(z[:, n * c:] for z in seqs) + (pos[n * c:],)
-            carry, (out, last_kv) = self._segment(carry, seg)
+            carry, (out, h, last_kv) = self._segment(carry, seg)
             outs.append(out)
-        return jnp.concatenate(outs, 1) if len(outs) > 1 else outs[0], before_last, carry, last_kv
+            hs.append(h)
+        return jnp.concatenate(outs, 1), jnp.concatenate(hs, 1), before_last, carry, last_kv
 
     # --- training -----------------------------------------------------------------------------
     def __call__(self, x_BTD, cache=None):
         if cache is not None:
             return self._decode(x_BTD, cache)
-        b = x_BTD.shape[0]
-        lmm0 = self.lmm.init_cache(b, 0, x_BTD.dtype)
-        out, *_ = self._segments(x_BTD, 0, lmm0["state"], lmm0["convs"])
-        return out, None
+        return self._forward(x_BTD)[0], None
+
+    def _forward(self, x_BTD):
+        lmm0 = self.lmm.init_cache(x_BTD.shape[0], 0, x_BTD.dtype)
+        return self._segments(x_BTD, 0, lmm0["state"], lmm0["convs"])[:2]
+
+    def retrieved(self, x_BTD):
+        """`h = M*_{s-1}(q) [B, T, H, D]`: what each token retrieves from the memory left by the
+        segments before its own (for tests and inspection)."""
+        return self._forward(x_BTD)[1]
 
     # --- decoding -----------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
@@ -197,7 +207,7 @@ class MACMixer(nnx.Module):
         pos = cache["next"]
         p = pos % c
         pos_T = pos[None]
-        k_r, v_r = self._retrieved_kv(cache["retrieval"], self._retrieval_query(x_B1D), pos_T)
+        _, (k_r, v_r) = self._retrieve(cache["retrieval"], self._retrieval_query(x_B1D), pos_T)
         k_x, v_x = self.attn.key_value(x_B1D, pos_T)
         kv = tuple(lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), p, axis=1)
                    for buf, new in zip(cache["kv"], (k_r, v_r, k_x, v_x)))
@@ -216,7 +226,7 @@ class MACMixer(nnx.Module):
         t = x_BTD.shape[1]
         c = self.segment_len
         lmm = cache["lmm"]
-        out, before, (state, convs), last_kv = self._segments(x_BTD, cache["next"], lmm["state"], lmm["convs"])
+        out, _, before, (state, convs), last_kv = self._segments(x_BTD, cache["next"], lmm["state"], lmm["convs"])
         if last_kv is None:  # ends on a segment boundary: the next segment starts empty
             retrieval, kv = state.theta, cache["kv"]
         else:

@@ -37,6 +37,9 @@ def _validate_common(config) -> None:
 def validate_mac(config) -> None:
     _validate_common(config)
     _int_at_least(config.model, "segment_len", 1)
+    if config.model.window:
+        _fail("window", config.model.window, "titans_mac attends within segments; set model.segment_len "
+              "instead (model.window must be 0)")
 
 
 def validate_windowed(config) -> None:
