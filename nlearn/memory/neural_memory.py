@@ -1,0 +1,665 @@
+"""Titans long-term neural memory (LMM) / TTT-MLP: an MLP whose weights are trained while it reads.
+
+Per batch element and head, the memory is an MLP `f(x; θ)` with weights θ = (W_1..W_L),
+`W_i [d_in, d_out]`, no biases: h_0 = x, h_i = σ(h_{i-1} W_i) for i < L, f(x) = h_{L-1} W_L
+(+ x when `residual`). Token t writes by one step of an inner optimizer on l_t(θ) = loss(f(k_t), v_t)
+and then reads o_t = f(q_t; θ_t) (read after write). Mini-batches of b tokens take all their
+gradients at the state θ_{s(t)} where the mini-batch starts (b = 1: fully online, θ_{t-1}):
+
+    g_t = ∇_θ l_t(θ_{s(t)})
+    momentum:  U_t = μ_t U_{t-1} − η_t g_t,  θ_t = (1 − α_t) θ_{t-1} + U_t
+    sgd:       θ_t = (1 − α_t) θ_{t-1} − η_t g_t                       (U passes through)
+    dgd:       per layer, with x_t that layer's input at θ_{s(t)} (for W_1: x_t = k_t),
+               W_t = ((1 − α_t) I − η_t x_tᵀ x_t) W_{t-1} + U_t,  U_t = μ_t U_{t-1} − η_t g_t
+
+`momentum=None` means μ = 0 (then "momentum" is decayed SGD whose state U holds −η_t g_t of the last
+token); `decay=None` means α = 0.
+
+DGD (Nested Learning eq. 88) is written there for column-vector memories, M_t = M_{t-1}(α_t I −
+η_t k_t k_tᵀ) − η_t ∇L with α_t a retention. With our row vectors W = Mᵀ the symmetric preconditioner
+moves to the input side, W_t = (a_t I − η_t kᵀk) W_{t-1} − η_t g_t with a_t = 1 − α_t (our α is a
+forgetting rate, as in Titans); for an MLP every W_i gets the preconditioner of its own input x_i,
+taken at the mini-batch start like the gradient (as in the seed's chunk-wise eq. 90), while it
+multiplies the current W_{t-1}. What it reduces to for L = 1, μ = 0, α = 0:
+    dot objective (g = −kᵀv):  W_t = W_{t-1} + η_t k_tᵀ(v_t − k_t W_{t-1}) — exactly the delta rule
+        with β = η, for every mini-batch size (the gradient does not depend on the state);
+    l2, b = 1 (g = kᵀ(kW_{t-1} − v)):  W_t = (I − 2η_t k_tᵀk_t) W_{t-1} + η_t k_tᵀ v_t, a delta rule
+        with β = 2η toward the target v/2 (the preconditioner doubles the erase).
+
+Two implementations with the same semantics:
+- impl="recurrent": per-token `jax.grad` of the inner loss inside `lax.scan`; any inner model or
+  optimizer step; one θ copy per token is kept for the backward pass.
+- impl="chunked" (default): one scan step per mini-batch (rematerialised with `jax.checkpoint`, so
+  backward memory is O(T·d + (T/b)·|θ|)). Within a mini-batch every layer's gradient is a sum of
+  outer products x_jᵀ δ_j of its inputs and back-propagated errors at the start state; momentum and
+  decay are linear recurrences whose b×b lower-triangular coefficient matrices come from cumulative
+  products of a = 1 − α and μ, so θ_t = A_t θ_c + m_t U_c − Σ_j C_tj η_j x_jᵀ δ_j. Reads use the
+  dual form y W_t = A_t y W_c + m_t y U_c − Σ_j C_tj η_j (y·x_j) δ_j layer by layer; DGD adds a unit
+  lower-triangular solve for u_t = x_t W_{t-1} (as in the chunked delta rule). No per-token copy of
+  the weights is ever formed. For b = 1 this is a scan over tokens: with a deep memory each token's
+  gradient needs the previous token's weights, so the sequential dependence is inherent; the body is
+  then just the lean per-token update.
+
+Streaming: `initial_state=(θ, U)` starts a new mini-batch, so a stream split on mini-batch
+boundaries is exact. Splits anywhere (and the decode step) use `NeuralMemoryState`, which also
+carries the mini-batch start state and the position in the mini-batch: pass
+`return_stream_state=True` to get one, and give it back as `initial_state`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nlearn.memory.chunking import check_gate, check_positive, check_qkv, from_chunks, to_chunks
+from nlearn.memory.inner_optimizers import InnerOptimizer, get_inner_optimizer
+from nlearn.memory.objectives import Objective, get_objective, output_grad
+
+ACTIVATIONS: dict[str, Callable] = {
+    "gelu": lambda z: jax.nn.gelu(z, approximate=True),
+    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "identity": lambda z: z,
+}
+
+IMPLS = ("chunked", "recurrent")
+
+
+class NeuralMemoryState(NamedTuple):
+    """Streaming state: weights θ and momentum U (tuples of `[B, H, d_in, d_out]`), the state where
+    the current mini-batch started, and the position in that mini-batch (int32 scalar, 0 = the next
+    token starts a new mini-batch and `theta_start` is unused)."""
+
+    theta: tuple
+    U: tuple
+    theta_start: tuple
+    pos: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    act: Callable
+    residual: bool
+    objective: Objective
+    opt: InnerOptimizer
+    minibatch: int
+
+
+def _make_spec(activation, residual, objective, optimizer, minibatch) -> _Spec:
+    check_positive("minibatch", minibatch)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; valid activations: {sorted(ACTIVATIONS)}")
+    return _Spec(ACTIVATIONS[activation], bool(residual), get_objective(objective),
+                 get_inner_optimizer(optimizer), minibatch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights and state
+
+
+def _check_weights(weights, dk: int, dv: int, residual: bool, batch: int | None = None) -> None:
+    if not isinstance(weights, (tuple, list)) or len(weights) == 0:
+        raise ValueError("weights0 must be a non-empty tuple of [H, d_in, d_out] or [B, H, d_in, d_out] arrays")
+    d = dk
+    for i, w in enumerate(weights):
+        if w.ndim not in (3, 4) or w.shape[-2] != d:
+            raise ValueError(
+                f"weight {i} must have shape [H, {d}, d_out] or [B, H, {d}, d_out], got {tuple(w.shape)}")
+        if batch is not None and w.ndim == 4 and w.shape[0] != batch:
+            raise ValueError(f"weight {i} has batch {w.shape[0]}, expected {batch}")
+        d = w.shape[-1]
+    if d != dv:
+        raise ValueError(f"the last weight must output Dv = {dv} features, got {d}")
+    if residual and dk != dv:
+        raise ValueError(f"residual=True needs Dk == Dv, got Dk={dk}, Dv={dv}")
+
+
+def init_state(weights0, batch: int) -> NeuralMemoryState:
+    """Fresh streaming state: θ = weights0 (broadcast to `[B, H, ...]`), U = 0, new mini-batch next."""
+    theta = tuple(jnp.broadcast_to(w, (batch,) + w.shape[-3:]) for w in weights0)
+    zeros = tuple(jnp.zeros_like(w) for w in theta)
+    return NeuralMemoryState(theta, zeros, theta, jnp.zeros((), jnp.int32))
+
+
+def _as_stream_state(initial_state, batch: int) -> tuple[NeuralMemoryState, bool]:
+    """Normalise `initial_state`; the flag says whether it may start mid-mini-batch."""
+    if isinstance(initial_state, NeuralMemoryState):
+        st = initial_state
+        return NeuralMemoryState(tuple(st.theta), tuple(st.U), tuple(st.theta_start),
+                                 jnp.asarray(st.pos, jnp.int32)), True
+    theta, U = initial_state
+    theta, U = tuple(theta), tuple(U)
+    if len(theta) != len(U):
+        raise ValueError("initial_state (theta, U) must have one U per weight")
+    for w, u in zip(theta, U):
+        if w.ndim != 4 or w.shape[0] != batch or u.shape != w.shape:
+            raise ValueError(f"initial_state arrays must be [B={batch}, H, d_in, d_out] and match")
+    return NeuralMemoryState(theta, U, theta, jnp.zeros((), jnp.int32)), False
+
+
+# ----------------------------------------------------------------------------------------------
+# The inner model
+
+
+def _apply(h, w):
+    """h [B, H, d] or [B, H, C, d] times w [B, H, d, e]."""
+    if h.ndim == w.ndim - 1:
+        return jnp.einsum("bhi,bhio->bho", h, w)
+    return jnp.matmul(h, w)
+
+
+def _mlp(spec: _Spec, theta, x):
+    """f(x; θ) and the input of every layer."""
+    inputs = []
+    h = x
+    for i, w in enumerate(theta):
+        inputs.append(h)
+        h = _apply(h, w)
+        if i < len(theta) - 1:
+            h = spec.act(h)
+    if spec.residual:
+        h = h + x
+    return h, inputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Recurrent form (reference, decode step)
+
+
+def _gate4(g):
+    return g[..., None, None]
+
+
+def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want_loss: bool):
+    """One token for all (batch, head): q, k [B, H, Dk], v [B, H, Dv], gates [B, H]."""
+    new_mb = state.pos == 0
+    theta_s = tuple(jnp.where(new_mb, c, s) for c, s in zip(state.theta, state.theta_start))
+
+    def inner_loss(theta):
+        pred, inputs = _mlp(spec, theta, k)
+        return jnp.sum(spec.objective(pred, v)), inputs
+
+    grads, inputs = jax.grad(inner_loss, has_aux=True)(theta_s)
+    theta, U = spec.opt.step(state.theta, state.U, grads, inputs, _gate4(eta), _gate4(mu), _gate4(a))
+    o = _mlp(spec, theta, q)[0]
+    new = NeuralMemoryState(theta, U, theta_s, (state.pos + 1) % spec.minibatch)
+    losses = None
+    if want_loss:
+        losses = (spec.objective(_mlp(spec, state.theta, k)[0], v), spec.objective(_mlp(spec, theta, k)[0], v))
+    return o, new, losses
+
+
+def _default_gates(spec: _Spec, eta, mu, a):
+    if mu is None:
+        mu = jnp.zeros_like(eta)
+    if a is None:
+        a = jnp.ones_like(eta)
+    return eta, mu, a
+
+
+def _recurrent(spec, state, q, k, v, eta, mu, a, want_loss):
+    eta, mu, a = _default_gates(spec, eta, mu, a)
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, eta, mu, a))
+
+    def body(st, x):
+        o, st, losses = _token_step(spec, st, *x, want_loss)
+        return st, (o, losses)
+
+    state, (o, losses) = lax.scan(body, state, xs)
+    o = jnp.moveaxis(o, 0, 1)
+    if want_loss:
+        losses = tuple(jnp.moveaxis(l, 0, 1) for l in losses)
+    return o, state, losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked (dual) form
+
+
+_TINY = 1e-30
+
+
+def _log_gate(g):
+    """log g for a gate in [0, 1]; g = 0 maps to log(1e-30), so products through it are ~1e-30·(...)
+    instead of exactly 0 (a saturated sigmoid gate has zero derivative anyway)."""
+    return jnp.log(jnp.maximum(g, jnp.asarray(_TINY, g.dtype)))
+
+
+def _transfer(g):
+    """g [..., c] -> (P [..., c, c], p [..., c]) with P[t, r] = Π_{r < m ≤ t} g_m for r ≤ t (else 0)
+    and p[t] = Π_{m ≤ t} g_m. Sums of logs via a lower-triangular matmul: small, exact-order sums,
+    and a cheap gradient (cumprod's gradient on CPU is a large associative scan)."""
+    c = g.shape[-1]
+    lg = _log_gate(g)
+    idx = jnp.arange(c)
+    tril = (idx[:, None] >= idx[None, :]).astype(g.dtype)
+    later = idx[:, None] > idx[None, :]  # [m, r]: m > r
+    seg = jnp.matmul(tril, jnp.where(later, lg[..., :, None], jnp.zeros((), g.dtype)))
+    pmat = jnp.where(tril > 0, jnp.exp(seg), jnp.zeros((), g.dtype))
+    pvec = jnp.exp(jnp.einsum("tm,...m->...t", tril, lg))
+    return pmat, pvec
+
+
+def _shift_vec(x, first: float):
+    """x_prev[t] = x[t-1], x_prev[0] = first (the coefficient of the state before the token)."""
+    return jnp.concatenate([jnp.full(x.shape[:-1] + (1,), first, x.dtype), x[..., :-1]], axis=-1)
+
+
+def _shift_rows(x):
+    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], axis=-2)
+
+
+def _swap(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+_OPTS = {"update": "matmul", "merge": True, "remat": "full", "group": 4}
+
+
+@jax.custom_vjp
+def _outer_sum_rank1(x, e):
+    c = x.shape[-2]
+    acc = x[..., 0, :, None] * e[..., 0, None, :]
+    for j in range(1, c):
+        acc = acc + x[..., j, :, None] * e[..., j, None, :]
+    return acc
+
+
+def _outer_sum_fwd(x, e):
+    return _outer_sum_rank1(x, e), (x, e)
+
+
+def _outer_sum_bwd(res, g):
+    x, e = res
+    return jnp.matmul(e, _swap(g)), jnp.matmul(x, g)
+
+
+_outer_sum_rank1.defvjp(_outer_sum_fwd, _outer_sum_bwd)
+
+
+def _outer_sum(x, e):
+    """Σ_j x_jᵀ e_j for x [..., c, d_in], e [..., c, d_out] -> [..., d_in, d_out].
+
+    For short chunks the unrolled sum of rank-1 terms fuses into one vectorised loop on CPU,
+    several times faster than a dot that contracts only c rows; its backward is two plain matmuls."""
+    if _OPTS["update"] == "rank1" and x.shape[-2] <= 32:
+        return _outer_sum_rank1(x, e)
+    return jnp.matmul(_swap(x), e)
+
+
+def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: bool, want_loss: bool):
+    """One mini-batch of c tokens (all arrays `[B, H, c, ...]`, gates `[B, H, c]`).
+
+    theta_s: state where the mini-batch's gradients are taken; theta_c, U_c: current state (equal
+    to theta_s except when a stream resumes mid-mini-batch). Returns the new (θ, U) and the reads.
+    """
+    q, k, v, eta, mu, a, act = xs
+    opt = spec.opt
+    nl = len(theta_c)
+    dt = q.dtype
+    c = q.shape[-2]
+
+    # Key side at the start state: layer inputs x_i, pre-activations z_i, errors δ_i. When the
+    # reads start from the same state, q meets W_1 in the same matmul as k.
+    q_first = None
+    if same_start and _OPTS["merge"]:
+        zz = jnp.matmul(jnp.concatenate([k, q], axis=-2), theta_s[0])
+        q_first = zz[..., c:, :]
+        first_layer = zz[..., :c, :]
+    inputs, zs, deltas = _key_side(spec, theta_s, k, v, first_layer if q_first is not None else None)
+
+    # Coefficients: θ_t = A_t θ_c + m_t U_c − Σ_j Cη_tj x_jᵀδ_j − Σ_j Dη_tj x_jᵀu_j.
+    if a is None:
+        dmat = jnp.broadcast_to(jnp.tril(jnp.ones((c, c), dt)), eta.shape + (c,))
+        avec = jnp.ones_like(eta)
+    else:
+        dmat, avec = _transfer(a)
+    cm = jnp.ones_like(eta) if act is None else jnp.broadcast_to(act, eta.shape)
+    mvec = pmat = None
+    if opt.momentum:
+        pmat, mprod = _transfer(mu)
+        cmat = jnp.matmul(dmat, cm[..., :, None] * pmat)
+        if use_mu:
+            mvec = jnp.einsum("...tr,...r->...t", dmat, cm * mprod)
+    else:
+        cmat = dmat
+    ceta = cmat * eta[..., None, :]
+    deta = dmat * eta[..., None, :] if opt.precondition else None
+    need_prev = opt.precondition or want_loss
+    if need_prev:
+        avec_p = _shift_vec(avec, 1.0)
+        mvec_p = None if mvec is None else _shift_vec(mvec, 0.0)
+        ceta_p = _shift_rows(ceta)
+        deta_p = None if deta is None else _shift_rows(deta)
+
+    # DGD: u_t = x_t W_{t-1} solves (I + G ⊙ Dη_prev) u = A_prev x W_c + m_prev x U_c − (G ⊙ Cη_prev) δ.
+    us = [None] * nl
+    if opt.precondition:
+        eye = jnp.eye(c, dtype=dt)
+        for i in range(nl):
+            x = inputs[i]
+            gram = jnp.matmul(x, _swap(x))
+            xw = zs[i] if same_start else jnp.matmul(x, theta_c[i])
+            rhs = avec_p[..., None] * xw - jnp.matmul(gram * ceta_p, deltas[i])
+            if mvec_p is not None:
+                rhs = rhs + mvec_p[..., None] * jnp.matmul(x, U_c[i])
+            us[i] = lax.linalg.triangular_solve(eye + gram * deta_p, rhs, left_side=True, lower=True,
+                                                unit_diagonal=True)
+
+    def read(y0, av, mv, ce, de, first=None):
+        y = y0
+        for i in range(nl):
+            gy = jnp.matmul(y, _swap(inputs[i]))
+            yw = first if (i == 0 and first is not None) else jnp.matmul(y, theta_c[i])
+            z = av[..., None] * yw - jnp.matmul(gy * ce, deltas[i])
+            if mv is not None:
+                z = z + mv[..., None] * jnp.matmul(y, U_c[i])
+            if de is not None:
+                z = z - jnp.matmul(gy * de, us[i])
+            y = spec.act(z) if i < nl - 1 else z
+        return y + y0 if spec.residual else y
+
+    o = read(q, avec, mvec, ceta, deta, q_first)
+    losses = None
+    if want_loss:
+        before = spec.objective(read(k, avec_p, mvec_p, ceta_p, deta_p), v)
+        after = spec.objective(read(k, avec, mvec, ceta, deta), v)
+        losses = (before, after)
+
+    # State after the last token of the chunk.
+    theta_new, U_new = [], []
+    a_last = avec[..., -1, None, None]
+    for i in range(nl):
+        x = inputs[i]
+        err = ceta[..., -1, :, None] * deltas[i]
+        if deta is not None:
+            err = err + deta[..., -1, :, None] * us[i]
+        w = a_last * theta_c[i] - _outer_sum(x, err)
+        if mvec is not None:
+            w = w + mvec[..., -1, None, None] * U_c[i]
+        theta_new.append(w)
+        if opt.momentum:
+            m_last = mprod[..., -1, None, None]
+            pe = (pmat[..., -1, :] * eta)[..., :, None]
+            U_new.append(m_last * U_c[i] - _outer_sum(x, pe * deltas[i]))
+        else:
+            U_new.append(U_c[i])
+    return tuple(theta_new), tuple(U_new), o, losses
+
+
+def _key_side(spec: _Spec, theta, k, v, z1=None):
+    """Forward the keys through f(·; θ) and back-propagate the inner loss by hand.
+
+    Returns the layer inputs x_i, pre-activations z_i and errors δ_i = ∂l/∂z_i, so that the
+    per-token gradient of W_i is x_iᵀ δ_i (the gradient itself is never formed per token)."""
+    nl = len(theta)
+    inputs, zs, dacts = [], [], []
+    h = k
+    for i, w in enumerate(theta):
+        inputs.append(h)
+        z = z1 if (i == 0 and z1 is not None) else _apply(h, w)
+        zs.append(z)
+        if i < nl - 1:
+            h, d = jax.jvp(spec.act, (z,), (jnp.ones_like(z),))
+            dacts.append(d)
+    pred = zs[-1] + k if spec.residual else zs[-1]
+    delta = output_grad(spec.objective, pred, v)
+    deltas = [None] * nl
+    for i in reversed(range(nl)):
+        deltas[i] = delta
+        if i > 0:
+            delta = _apply(delta, _swap(theta[i])) * dacts[i - 1]
+    return inputs, zs, deltas
+
+
+def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_loss: bool):
+    """b = 1: every gradient needs the previous token's weights, so this is a scan over tokens with
+    a lean body (hand-written backprop, explicit rank-1 updates, no dual form); G tokens per
+    checkpointed step keep T/G weight copies for the backward pass."""
+    bsz, t_len = q.shape[:2]
+    eta, mu, a = _default_gates(spec, eta, mu, a)
+    group = _OPTS["group"] if t_len >= 8 * _OPTS["group"] else 1
+    t_pad = -(-t_len // group) * group
+    active = (jnp.arange(t_pad) < t_len)
+
+    def prep(x):
+        x = jnp.moveaxis(x, 1, 0)  # time first
+        x = jnp.pad(x, [(0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape((t_pad // group, group) + x.shape[1:])
+
+    xs = tuple(prep(x) for x in (q, k, v, eta, mu, a)) + (active.reshape(t_pad // group, group),)
+
+    def token(carry, x):
+        theta, U = carry
+        q_t, k_t, v_t, eta_t, mu_t, a_t, live = x
+        inputs, _, deltas = _key_side(spec, theta, k_t, v_t)
+        grads = tuple(x_[..., :, None] * d_[..., None, :] for x_, d_ in zip(inputs, deltas))
+        new_theta, new_U = spec.opt.step(theta, U, grads, inputs, _gate4(eta_t), _gate4(mu_t), _gate4(a_t))
+        new_theta = tuple(jnp.where(live, n_, o_) for n_, o_ in zip(new_theta, theta))
+        new_U = tuple(jnp.where(live, n_, o_) for n_, o_ in zip(new_U, U))
+        o_t = _mlp(spec, new_theta, q_t)[0]
+        losses = None
+        if want_loss:
+            losses = (spec.objective(_mlp(spec, theta, k_t)[0], v_t), spec.objective(_mlp(spec, new_theta, k_t)[0], v_t))
+        return (new_theta, new_U), (o_t, losses)
+
+    def step(carry, xg):
+        outs = []
+        for j in range(group):
+            carry, y = token(carry, jax.tree_util.tree_map(lambda z: z[j], xg))
+            outs.append(y)
+        return carry, jax.tree_util.tree_map(lambda *z: jnp.stack(z), *outs)
+
+    (theta, U), (o, losses) = lax.scan(jax.checkpoint(step), (state.theta, state.U), xs)
+
+    def untime(y):
+        y = y.reshape((t_pad,) + y.shape[2:])[:t_len]
+        return jnp.moveaxis(y, 0, 1)
+
+    o = untime(o)
+    if want_loss:
+        losses = tuple(untime(l_) for l_ in losses)
+    return o, NeuralMemoryState(theta, U, theta, jnp.zeros((), jnp.int32)), losses
+
+
+def _static_int(x):
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return int(x)
+
+
+def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bool, want_start: bool):
+    bsz, t_len, heads = q.shape[:3]
+    b = spec.minibatch
+    use_mu = mu is not None
+    if spec.opt.momentum and mu is None:
+        mu = jnp.zeros_like(eta)
+    p = _static_int(state.pos) if resumable else 0
+    first = 1 if resumable else 0
+
+    def n_chunks(n):
+        # Mini-batches after the first (resumed) one go G at a time through the scan.
+        g = _OPTS["group"] if n - first >= 8 * _OPTS["group"] else 1
+        return first + -(-(n - first) // g) * g, g
+
+    # Lay the tokens on a timeline of whole mini-batches; position p of it is token 0.
+    if p is not None:
+        n, group = n_chunks(-(-(p + t_len) // b))
+        lv = n * b
+
+        def place(x):
+            widths = [(0, 0)] * x.ndim
+            widths[1] = (p, lv - p - t_len)
+            return jnp.pad(x, widths)
+    else:
+        p = state.pos
+        n, group = n_chunks(-(-(t_len + b - 1) // b))
+        lv = n * b
+
+        def place(x):
+            base = jnp.zeros((bsz, lv) + x.shape[2:], x.dtype)
+            return lax.dynamic_update_slice(base, x, (0, p) + (0,) * (x.ndim - 2))
+
+    idx = jnp.arange(lv)
+    masked = not (isinstance(p, int) and p == 0 and lv == t_len)
+    act = ((idx >= p) & (idx < p + t_len)).astype(q.dtype) if masked else None
+
+    def gate(g, fill):
+        g = place(g)
+        if act is not None:
+            g = jnp.where(act[None, :, None] > 0, g, jnp.asarray(fill, g.dtype))
+        return jnp.moveaxis(to_chunks(g, b), 2, 0)
+
+    def seq(x):
+        return jnp.moveaxis(to_chunks(place(x), b), 2, 0)
+
+    xs = (seq(q), seq(k), seq(v), gate(eta, 0.0),
+          None if mu is None else gate(mu, 1.0),
+          None if a is None else gate(a, 1.0),
+          None if act is None else act.reshape(n, b))
+
+    def body(theta_s, carry, x, same_start):
+        theta_c, U_c, start = carry
+        theta_new, U_new, o, losses = _chunk(spec, theta_s, theta_c, U_c, x, same_start=same_start,
+                                             use_mu=use_mu, want_loss=want_loss)
+        if want_start:
+            live = jnp.ones((), bool) if x[-1] is None else jnp.any(x[-1] > 0)
+            start = tuple(jnp.where(live, s_, old) for s_, old in zip(theta_s, start))
+        return (theta_new, U_new, start), (o, losses)
+
+    def chunk_step(carry, x):
+        return body(carry[0], carry, x, True)
+
+    def scan_step(carry, xg):
+        # G mini-batches per checkpointed step (unrolled): only every G-th state is kept for the
+        # backward pass, which recomputes the G mini-batches from it.
+        outs = []
+        for j in range(group):
+            carry, y = chunk_step(carry, tmap(lambda z: z[j], xg))
+            outs.append(y)
+        return carry, tmap(lambda *z: jnp.stack(z), *outs)
+
+    tmap = jax.tree_util.tree_map
+    carry = (state.theta, state.U, state.theta_start)
+    outs = []
+    if resumable:
+        # The first mini-batch may have started before this call: gradients at theta_start, reads from θ.
+        theta_s0 = tuple(jnp.where(state.pos == 0, c_, s_) for c_, s_ in zip(state.theta, state.theta_start))
+        carry, y0 = body(theta_s0, carry, tmap(lambda z: z[0], xs), False)
+        outs.append(tmap(lambda z: z[None], y0))
+    if n > first:
+        if _OPTS["remat"] == "full":
+            scan_body = jax.checkpoint(scan_step)
+        elif _OPTS["remat"] == "dots":
+            scan_body = jax.checkpoint(scan_step, policy=jax.checkpoint_policies.checkpoint_dots)
+        else:
+            scan_body = scan_step
+        rest = tmap(lambda z: z[first:].reshape(((n - first) // group, group) + z.shape[1:]), xs)
+        carry, ys = lax.scan(scan_body, carry, rest)
+        outs.append(tmap(lambda z: z.reshape((n - first,) + z.shape[2:]), ys))
+    o, losses = tmap(lambda *z: jnp.concatenate(z, axis=0), *outs)
+
+    def unchunk(y):
+        y = jnp.moveaxis(y, 0, 2)  # [B, H, N, c, ...]
+        y = from_chunks(y, lv)
+        if isinstance(p, int):
+            return y[:, p:p + t_len]
+        return lax.dynamic_slice_in_dim(y, p, t_len, axis=1)
+
+    o = unchunk(o)
+    if want_loss:
+        losses = tuple(unchunk(l_) for l_ in losses)
+    theta, U, start = carry
+    pos = (state.pos + t_len) % b
+    return o, NeuralMemoryState(theta, U, start, pos.astype(jnp.int32)), losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, residual: bool = False,
+                  activation: str = "gelu", objective: str = "l2", optimizer: str = "momentum",
+                  minibatch: int = 1, initial_state=None, impl: str = "chunked",
+                  return_inner_loss: bool = False, return_stream_state: bool = False):
+    """Run the neural memory over a sequence.
+
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; lr (η), momentum (μ), decay (α): [B, T, H].
+    weights0: tuple of `[H, d_in, d_out]` (learned init shared by the batch) or `[B, H, d_in, d_out]`.
+    initial_state: `(θ, U)` (replaces weights0 and the zero momentum; starts a new mini-batch) or a
+      `NeuralMemoryState` (resumes anywhere, including mid-mini-batch).
+    activation, objective, optimizer: registry names (`ACTIVATIONS`, `objectives.OBJECTIVES`,
+      `inner_optimizers.INNER_OPTIMIZERS`); unknown names raise ValueError listing the valid ones.
+    Returns `(o [B, T, H, Dv], (θ, U))`; with `return_stream_state` the state is a
+    `NeuralMemoryState`; with `return_inner_loss` a third item `(loss_before, loss_after)`, each
+    [B, T, H]: l_t at θ_{t-1} and at θ_t (the state just before and just after token t's write).
+    """
+    spec = _make_spec(activation, residual, objective, optimizer, minibatch)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
+    bsz, t_len, heads, dk, dv = check_qkv(q, k, v)
+    check_gate("lr", lr, bsz, t_len, heads)
+    if momentum is not None:
+        if not spec.opt.momentum:
+            raise ValueError(f"optimizer {spec.opt.name!r} takes no momentum gate")
+        check_gate("momentum", momentum, bsz, t_len, heads)
+    if decay is not None:
+        check_gate("decay", decay, bsz, t_len, heads)
+    if impl == "chunked" and not spec.opt.chunkable and spec.minibatch > 1:
+        raise ValueError(f"optimizer {spec.opt.name!r} has no chunked form; use impl='recurrent' or minibatch=1")
+
+    if initial_state is None:
+        if weights0 is None:
+            raise ValueError("pass weights0 or initial_state")
+        _check_weights(weights0, dk, dv, spec.residual, bsz)
+        state, resumable = init_state(weights0, bsz), False
+    else:
+        state, resumable = _as_stream_state(initial_state, bsz)
+        _check_weights(state.theta, dk, dv, spec.residual, bsz)
+    if resumable and _static_int(state.pos) == 0:
+        resumable = False
+    dt = q.dtype
+    eta = lr.astype(dt)
+    mu = None if momentum is None else momentum.astype(dt)
+    a = None if decay is None else (1.0 - decay).astype(dt)
+
+    if t_len == 0:
+        o = jnp.zeros((bsz, 0, heads, dv), dt)
+        losses = (jnp.zeros((bsz, 0, heads), dt),) * 2
+    elif impl == "recurrent":
+        o, state, losses = _recurrent(spec, state, q, k, v, eta, mu, a, return_inner_loss)
+    elif spec.minibatch == 1:
+        o, state, losses = _online(spec, state, q, k, v, eta, mu, a, want_loss=return_inner_loss)
+    else:
+        o, state, losses = _chunked(spec, state, q, k, v, eta, mu, a, resumable=resumable,
+                                    want_loss=return_inner_loss, want_start=return_stream_state)
+    out_state = state if return_stream_state else (state.theta, state.U)
+    if return_inner_loss:
+        return o, out_state, losses
+    return o, out_state
+
+
+def neural_memory_step(q, k, v, *, lr, momentum=None, decay=None, state: NeuralMemoryState,
+                       residual: bool = False, activation: str = "gelu", objective: str = "l2",
+                       optimizer: str = "momentum", minibatch: int = 1, return_inner_loss: bool = False):
+    """Decode one token: q, k [B, H, Dk], v [B, H, Dv], gates [B, H]; `state` from `init_state` or
+    `neural_memory(..., return_stream_state=True)`. Returns `(o [B, H, Dv], state)` (plus
+    `(loss_before, loss_after)` [B, H] with `return_inner_loss`); steps equal the full sequence."""
+    spec = _make_spec(activation, residual, objective, optimizer, minibatch)
+    if momentum is not None and not spec.opt.momentum:
+        raise ValueError(f"optimizer {spec.opt.name!r} takes no momentum gate")
+    dt = q.dtype
+    eta, mu, a = _default_gates(spec, lr.astype(dt), None if momentum is None else momentum.astype(dt),
+                                None if decay is None else (1.0 - decay).astype(dt))
+    st = NeuralMemoryState(tuple(state.theta), tuple(state.U), tuple(state.theta_start),
+                           jnp.asarray(state.pos, jnp.int32))
+    o, st, losses = _token_step(spec, st, q, k, v, eta, mu, a, return_inner_loss)
+    if return_inner_loss:
+        return o, st, losses
+    return o, st
