@@ -143,26 +143,42 @@ def _mb_dual(wg: TTTMLPWeights, wr: TTTMLPWeights, x, scale, bias, precision):
     return new, z2q
 
 
-def _scan(w0: TTTMLPWeights, mark0: TTTMLPWeights, xs, idx, last_mb, scale, bias, group: int, precision):
-    """`lax.scan` over groups of `group` mini-batches (xs: tuple of `[S, group, B, H, ...]`, idx
-    `[S, group]` their global indices), each group rematerialized in the backward pass.
+def _scan(w0: TTTMLPWeights, xs, scale, bias, precision):
+    """`lax.scan` over groups of mini-batches (xs: tuple of `[S, group, B, H, ...]`), each group
+    rematerialized in the backward pass: only the weights entering each group are kept.
 
-    `mark` keeps the weights entering mini-batch `last_mb` (the next call's mini-batch start).
-    Returns ((final weights, mark), Z̄2 `[S, group, B, H, C, D]`).
+    Returns (final weights, weights entering each group `[S, B, H, ...]`, Z̄2 `[S, group, B, H, C, D]`).
     """
 
-    @jax.checkpoint
-    def body(carry, x_grp):
-        w, mark = carry
-        xg, ig = x_grp
-        outs = []
-        for i in range(group):
-            mark = jax.tree.map(lambda m, w_: jnp.where(ig[i] == last_mb, w_, m), mark, w)
-            w, z2q = _mb_dual(w, w, tuple(a[i] for a in xg), scale, bias, precision)
-            outs.append(z2q)
-        return (w, mark), jnp.stack(outs)
+    def mb_step(w, x):
+        return _mb_dual(w, w, x, scale, bias, precision)
 
-    return jax.lax.scan(body, (w0, mark0), (xs, idx))
+    @jax.checkpoint
+    def body(w, x_grp):  # the group's mini-batches by an inner scan: compiled once, not unrolled
+        w_out, z = jax.lax.scan(mb_step, w, x_grp)
+        return w_out, (w, z)
+
+    w_fin, (w_in, z) = jax.lax.scan(body, w0, xs)
+    return w_fin, w_in, z
+
+
+def _start_of(target, w_grp, x_grp, first: int, scale, bias, precision):
+    """Weights entering mini-batch `target` (traced), replaying the group that holds it from the
+    weights entering it, `w_grp`; x_grp: that group's inputs `[group, B, H, ...]`, whose first
+    mini-batch has global index `first` (traced). Only the streaming state needs this: a caller
+    that drops the state (training) never runs it.
+    """
+
+    def step(carry, x):
+        w, mark = carry
+        xm, i = x
+        mark = jax.tree.map(lambda m, w_: jnp.where(i == target, w_, m), mark, w)
+        w, _ = _mb_dual(w, w, xm, scale, bias, precision)
+        return (w, mark), None
+
+    n = x_grp[0].shape[0]
+    (_, mark), _ = jax.lax.scan(step, (w_grp, w_grp), (x_grp, first + jnp.arange(n)))
+    return mark
 
 
 def _ttt_mlp_dual(q, k, v, eta, state: TTTMLPState, offset_static: bool, minibatch: int, group: int,
@@ -198,7 +214,6 @@ def _ttt_mlp_dual(q, k, v, eta, state: TTTMLPState, offset_static: bool, minibat
                       * eta_c[..., None, :], 0.0)
     parts = (q_c, k_c, v_c, eta_c, attn1)
     sc, bi = scale[:, None, :], bias[:, None, :]
-    last_mb = (offset + t - 1) // mb  # the mini-batch holding the last real token
     w = state.weights
     z_first = []
     if not offset_static:
@@ -207,15 +222,28 @@ def _ttt_mlp_dual(q, k, v, eta, state: TTTMLPState, offset_static: bool, minibat
     n_mb = length // mb
     n_steps = (n_mb - peel) // group
     xs = tuple(x[peel:].reshape((n_steps, group) + x.shape[1:]) for x in parts)
-    idx = jnp.arange(peel, n_mb).reshape(n_steps, group)
-    (w_fin, mark), z = _scan(w, state.start, xs, idx, last_mb, sc, bi, group, precision)
+    w_fin, w_in, z = _scan(w, xs, sc, bi, precision)
+    new_pos = (offset + t) % mb
+    # The next call's mini-batch start: the final weights at a boundary; else the weights entering
+    # the mini-batch of the last real token (`state.start` if that is the resumed first one).
+    last_mb = (offset + t - 1) // mb
+    if offset_static and t % mb == 0:
+        start = w_fin
+    elif n_steps:
+        g_last = jnp.maximum(last_mb - peel, 0) // group
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, g_last, keepdims=False)  # noqa: E731
+        start = _start_of(last_mb, jax.tree.map(pick, w_in), tuple(pick(x) for x in xs), peel + g_last * group,
+                          sc, bi, precision)
+        if peel:
+            start = jax.tree.map(lambda a, b: jnp.where(last_mb == 0, a, b), state.start, start)
+    else:
+        start = state.start
+    start = jax.tree.map(lambda a, m: jnp.where(new_pos == 0, a, m), w_fin, start)
     z = jnp.concatenate(z_first + [z.reshape((-1,) + z.shape[2:])])
     z = from_chunks_first(z, length)
     if not offset_static:
         z = jax.lax.dynamic_slice_in_dim(z, offset, t, axis=1)
     o = _read(q, z[:, :t], scale, bias)
-    new_pos = (offset + t) % mb
-    start = jax.tree.map(lambda a, m: jnp.where(new_pos == 0, a, m), w_fin, mark)
     return o, TTTMLPState(w_fin, start, jnp.asarray(new_pos, jnp.int32))
 
 

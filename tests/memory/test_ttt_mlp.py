@@ -195,12 +195,13 @@ def test_default_minibatch_single_token_and_batched_init():
 
 
 def test_streaming_in_pieces():
-    """Pieces of 17, 1, 5, 14 tokens: split mid-mini-batch, a single token that ends one, a piece
-    starting at a mini-batch boundary, and one resuming mid-mini-batch."""
+    """Pieces of 17, 1, 14, 3, 2 tokens (mini-batch 6, scan steps of 12): a split mid-mini-batch;
+    a single token that completes one; a piece from a boundary whose last mini-batch is not in its
+    last scan step; one that stays inside the resumed mini-batch; one that resumes and crosses."""
     x = to_f32(make_inputs(T_MAIN, seed=6))
     o_full, st_full = run(x)
     outs, state, start = [], None, 0
-    for end in (17, 18, 23, T_MAIN):
+    for end in (17, 18, 32, 35, T_MAIN):
         piece = {k_: (v_[:, start:end] if v_.ndim >= 3 and v_.shape[1] == T_MAIN else v_) for k_, v_ in x.items()}
         o, state = run(piece, state=state)
         assert int(state.pos) == end % MB
