@@ -1,0 +1,126 @@
+"""Inner optimizer and objective registries: the update formulas, name lookup, plugging in new ones."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nlearn.memory.inner_optimizers import (
+    INNER_OPTIMIZERS,
+    InnerOptimizer,
+    get_inner_optimizer,
+    linear_optimizer,
+)
+from nlearn.memory.neural_memory import neural_memory
+from nlearn.memory.objectives import OBJECTIVES, get_objective, output_grad
+
+
+def _nm(q, k, v, lr, w, **kw):
+    """neural_memory compiled at LLVM -O0 (these tiny programs compile ~3x faster, same float math)."""
+    fn = lambda q, k, v, lr, w: neural_memory(q, k, v, lr=lr, weights0=w, **kw)  # noqa: E731
+    return jax.jit(fn).lower(q, k, v, lr, w).compile({"xla_backend_optimization_level": 0})(q, k, v, lr, w)
+
+
+def _gate(x):
+    return jnp.full((1, 1, 1, 1), x, jnp.float32)
+
+
+def test_registries_and_unknown_names():
+    assert {"momentum", "sgd", "dgd"} <= set(INNER_OPTIMIZERS)
+    assert {"l2", "dot", "huber"} <= set(OBJECTIVES)
+    with pytest.raises(ValueError, match=r"\['dgd', 'momentum', 'sgd'\]"):
+        get_inner_optimizer("adamw")
+    with pytest.raises(ValueError, match=r"\['dot', 'huber', 'l2'\]"):
+        get_objective("cosine")
+    custom = linear_optimizer("mine", momentum=True, precondition=False)
+    assert get_inner_optimizer(custom) is custom
+    assert get_objective(OBJECTIVES["dot"]) is OBJECTIVES["dot"]
+
+
+def test_momentum_step_is_the_seed_example():
+    """W = 2, U = 0.2, g = −0.4, μ = 0.5, η = 0.1, α = 0.1: U = 0.14, W = 0.9·2 + 0.14 = 1.94."""
+    step = INNER_OPTIMIZERS["momentum"].step
+    (w,), (u,) = step((_gate(2.0),), (_gate(0.2),), (_gate(-0.4),), (jnp.ones((1, 1, 1)),),
+                      _gate(0.1), _gate(0.5), _gate(0.9))
+    np.testing.assert_allclose(float(u.ravel()[0]), 0.14, atol=1e-7)
+    np.testing.assert_allclose(float(w.ravel()[0]), 1.94, atol=1e-7)
+
+
+def test_sgd_step_leaves_momentum_alone():
+    step = INNER_OPTIMIZERS["sgd"].step
+    (w,), (u,) = step((_gate(2.0),), (_gate(0.2),), (_gate(-0.4),), (jnp.ones((1, 1, 1)),),
+                      _gate(0.1), _gate(0.0), _gate(0.9))
+    np.testing.assert_allclose(float(w.ravel()[0]), 0.9 * 2.0 + 0.04, atol=1e-7)
+    np.testing.assert_allclose(float(u.ravel()[0]), 0.2, atol=0)
+
+
+def test_dgd_step_formula():
+    """W ← (a I − η xᵀx) W + U with U = μ U − η g (row-vector layer x W)."""
+    rng = np.random.default_rng(0)
+    w, u, g = (rng.normal(size=(1, 1, 3, 2)).astype(np.float32) for _ in range(3))
+    x = rng.normal(size=(1, 1, 3)).astype(np.float32)
+    eta, mu, a = 0.3, 0.5, 0.9
+    (w_new,), (u_new,) = INNER_OPTIMIZERS["dgd"].step((w,), (u,), (g,), (x,), _gate(eta), _gate(mu), _gate(a))
+    u_ref = mu * u[0, 0] - eta * g[0, 0]
+    w_ref = (a * np.eye(3) - eta * np.outer(x[0, 0], x[0, 0])) @ w[0, 0] + u_ref
+    np.testing.assert_allclose(u_new[0, 0], u_ref, rtol=1e-6)
+    np.testing.assert_allclose(w_new[0, 0], w_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_objective_gradients():
+    pred = jnp.asarray([[0.0, 2.5, -3.0]])
+    target = jnp.asarray([[0.5, 0.0, 0.0]])
+    np.testing.assert_allclose(output_grad(OBJECTIVES["l2"], pred, target), pred - target)
+    np.testing.assert_allclose(output_grad(OBJECTIVES["dot"], pred, target), -target)
+    np.testing.assert_allclose(output_grad(OBJECTIVES["huber"], pred, target), [[-0.5, 1.0, -1.0]])
+
+
+def _inputs(t_len=9, seed=0):
+    rng = np.random.default_rng(seed)
+    b, h, d = 1, 2, 4
+    k = rng.normal(size=(b, t_len, h, d))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q, v = rng.normal(size=(2, b, t_len, h, d))
+    lr = rng.uniform(0.05, 0.3, size=(b, t_len, h))
+    w = (rng.normal(size=(h, d, 8)) / 2, rng.normal(size=(h, 8, d)) / 3)
+    cast = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(lr), tuple(cast(x) for x in w)
+
+
+def test_plug_in_a_recurrent_only_optimizer():
+    """A new optimizer is one step function; without a chunked form it runs token by token."""
+
+    def sign_step(theta, U, grads, inputs, eta, mu, a):
+        return tuple(a * w - eta * jnp.sign(g) for w, g in zip(theta, grads)), U
+
+    sign_sgd = InnerOptimizer("sign_sgd", sign_step, momentum=False, chunkable=False)
+    q, k, v, lr, w = _inputs()
+    o_rec, _ = _nm(q, k, v, lr, w, optimizer=sign_sgd, impl="recurrent")
+    o_fast, _ = _nm(q, k, v, lr, w, optimizer=sign_sgd, minibatch=1)
+    np.testing.assert_allclose(o_fast, o_rec, rtol=0, atol=1e-5)
+    o_mb, _ = _nm(q, k, v, lr, w, optimizer=sign_sgd, minibatch=4, impl="recurrent")
+    assert np.max(np.abs(np.asarray(o_mb) - np.asarray(o_rec))) > 1e-4  # the schedule matters
+    with pytest.raises(ValueError, match="no chunked form"):
+        _nm(q, k, v, lr, w, optimizer=sign_sgd, minibatch=4)
+
+
+def test_plug_in_an_objective_callable():
+    q, k, v, lr, w = _inputs(seed=1)
+
+    def half_squared(pred, target):
+        return 0.5 * jnp.sum((pred - target) ** 2, axis=-1)
+
+    for mb in (1, 4):
+        o_fn, _ = _nm(q, k, v, lr, w, objective=half_squared, minibatch=mb)
+        o_l2, _ = _nm(q, k, v, lr, w, objective="l2", minibatch=mb)
+        np.testing.assert_allclose(o_fn, o_l2, rtol=0, atol=1e-6)
+
+
+def test_linear_optimizer_flags_reproduce_the_registry():
+    q, k, v, lr, w = _inputs(seed=2)
+    rebuilt = linear_optimizer("dgd_again", momentum=True, precondition=True)
+    o_a, _ = _nm(q, k, v, lr, w, optimizer="dgd", minibatch=4)
+    o_b, _ = _nm(q, k, v, lr, w, optimizer=rebuilt, minibatch=4)
+    np.testing.assert_allclose(o_a, o_b, rtol=0, atol=1e-6)
