@@ -69,7 +69,7 @@ def _gates(rng, b, t, h, low, high):
     return jnp.asarray(rng.uniform(low, high, size=(b, t, h)), jnp.float32)
 
 
-LA_CHUNK, DELTA_CHUNK, TTT_MB = 64, 64, 16
+LA_CHUNK, DELTA_CHUNK, TTT_MB = 64, 32, 16
 
 CASES: list[Case] = [
     Case(

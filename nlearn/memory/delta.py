@@ -8,11 +8,14 @@ Chunked form (exact for the online recurrence). In a chunk of C tokens entering 
 with G the in-chunk cumulative log-decay and Γ_ij = exp(G_i − G_j) (i ≥ j):
   A = strictly_lower(β ⊙ (K Kᵀ) ⊙ Γ),  T = (I + A)⁻¹,  U = T(βV),  W = T(βK ⊙ e^G)
   u = U − W S,   o = (Q ⊙ e^G) S + tril(Q Kᵀ ⊙ Γ) u,   S' = e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ u.
-The chunk is thus an affine map `S' = M S + R` with `M = e^{G_C} I − K̃ᵀ W` and `R = K̃ᵀ U`
-(K̃ = K ⊙ e^{G_C − G}); everything except the `[Dk,Dk] @ [Dk,Dv]` product of that map is computed
-for all chunks at once, and only that product runs in the `lax.scan` over chunks. The scan keeps
-one state per chunk (not per token), so memory grows linearly in T. `T` is formed by block
-doubling (log2 C levels of batched matmuls), not a row-by-row triangular solve.
+`T` comes from block doubling (log2 C levels of batched matmuls), not a row-by-row solve.
+Two arrangements, both keeping one state per chunk (nothing per token), so memory is linear in T:
+  chunked_scan      a `lax.scan` over chunks doing all of a chunk's work, rematerialized per
+                    chunk in the backward pass (`u = T(βV − (βK ⊙ e^G) S)`, no explicit W).
+                    Small cache-resident tiles, little allocation: the fastest form on CPU.
+  chunked_parallel  the state-independent pieces (T, U, W, masks) for all chunks at once, and
+                    a scan that only carries S (`_chunk_scan`, with a custom VJP); suits GPU/TPU.
+`impl="chunked"` picks between them by backend (`resolve_chunked`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from nlearn.memory.chunking import check_gate, check_positive, check_qkv, from_chunks_first, to_chunks_first
-from nlearn.memory.linear_attention import HIGHEST, check_impl, check_state_shape
+from nlearn.memory.linear_attention import HIGHEST, check_impl, check_state_shape, resolve_chunked
 
 
 def _unit_lower_inverse_pow2(a, precision):
@@ -165,11 +168,11 @@ def _delta_chunked_parallel(q, k, v, beta, g, s0, chunk: int, precision):
     return from_chunks_first(o, t), s_fin
 
 
-def _chunk_step(s, x, precision):
-    """One chunk of the (gated) delta rule in WY form: `(S, chunk inputs) -> (S', o)`.
+def _chunk_prep(x, precision):
+    """The state-independent WY pieces of chunks (any leading batch dims).
 
-    x = (q `[B,H,C,Dk]`, k, v `[B,H,C,Dv]`, beta `[B,H,C]`, g `[B,H,C]` or None). Uses
-    `u = T(βV − (βK ⊙ e^G) S)`, which needs no explicit W.
+    x = (q `[...,C,Dk]`, k, v `[...,C,Dv]`, beta `[...,C]`, g `[...,C]` or None). Returns
+    (T = (I+A)⁻¹, P = tril(Q Kᵀ ⊙ Γ), βK ⊙ e^G, βV, Q ⊙ e^G, K ⊙ e^{G_C − G}, e^{G_C} or None).
     """
     q, k, v, beta, g = x
     c = q.shape[-2]
@@ -178,10 +181,11 @@ def _chunk_step(s, x, precision):
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     kk = ein("...ik,...jk->...ij", k, k)
     qk = ein("...ik,...jk->...ij", q, k)
+    vb = v * beta[..., None]
     if g is None:
         a = jnp.where(strict, beta[..., :, None] * kk, 0.0)
         p = jnp.where(incl, qk, 0.0)
-        kb, qg, kd, s_dec = k * beta[..., None], q, k, s
+        kb, qg, kd, dec = k * beta[..., None], q, k, None
     else:
         g_cum = jnp.cumsum(g, axis=-1)  # G
         diff = jnp.where(incl, g_cum[..., :, None] - g_cum[..., None, :], 0.0)
@@ -193,13 +197,24 @@ def _chunk_step(s, x, precision):
         kb = k * (beta * e_g)[..., None]
         qg = q * e_g[..., None]
         kd = k * jnp.exp(g_last - g_cum)[..., None]
-        s_dec = jnp.exp(g_last)[..., None] * s
-    tinv = unit_lower_inverse(a, precision)
-    rhs = v * beta[..., None] - ein("...ck,...kv->...cv", kb, s)
-    u = ein("...ij,...jv->...iv", tinv, rhs)
+        dec = jnp.exp(g_last)[..., None]  # [...,1,1]
+    return unit_lower_inverse(a, precision), p, kb, vb, qg, kd, dec
+
+
+def _chunk_apply(s, prep, precision):
+    """The state-dependent part of one chunk: `u = T(βV − (βK ⊙ e^G) S)` (no explicit W),
+    `o = (Q ⊙ e^G) S + P u`, `S' = e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ u`. Returns (S', o)."""
+    tinv, p, kb, vb, qg, kd, dec = prep
+    ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision)  # noqa: E731
+    u = ein("...ij,...jv->...iv", tinv, vb - ein("...ck,...kv->...cv", kb, s))
     o = ein("...ck,...kv->...cv", qg, s) + ein("...ij,...jv->...iv", p, u)
-    s_next = s_dec + ein("...ck,...cv->...kv", kd, u)
+    s_next = (s if dec is None else dec * s) + ein("...ck,...cv->...kv", kd, u)
     return s_next, o
+
+
+def _chunk_step(s, x, precision):
+    """One chunk of the (gated) delta rule in WY form: `(S, chunk inputs) -> (S', o)`."""
+    return _chunk_apply(s, _chunk_prep(x, precision), precision)
 
 
 def _delta_chunked_scan(q, k, v, beta, g, s0, chunk: int, precision):
@@ -207,7 +222,7 @@ def _delta_chunked_scan(q, k, v, beta, g, s0, chunk: int, precision):
 
     Each step does one chunk's WY work on `[B,H,C,D]` tiles that stay in cache; the backward
     pass recomputes a chunk from the saved entering state (`jax.checkpoint`), so training keeps
-    one `[B,H,Dk,Dv]` state per chunk and nothing per token. Fastest form on CPU.
+    one `[B,H,Dk,Dv]` state per chunk and nothing per token.
     """
     t = q.shape[1]
     xs = tuple(None if x is None else to_chunks_first(x, chunk) for x in (q, k, v, beta, g))
@@ -248,17 +263,6 @@ def _initial_state(initial_state, b, h, dk, dv):
 DELTA_IMPLS = ("chunked", "chunked_scan", "chunked_parallel", "recurrent")
 
 
-def resolve_chunked(impl: str) -> str:
-    """Map `impl="chunked"` to the faster chunked form for the default backend.
-
-    On CPU a scan over chunks with per-chunk remat wins (cache-resident tiles, measured with
-    `scripts/bench_ops.py`); on GPU/TPU the all-chunks-parallel form feeds the matrix units.
-    """
-    if impl != "chunked":
-        return impl
-    return "chunked_scan" if jax.default_backend() == "cpu" else "chunked_parallel"
-
-
 def _run(q, k, v, beta, g, initial_state, impl, chunk_size, precision):
     b, t, h, dk, dv = check_qkv(q, k, v)
     check_gate("beta", beta, b, t, h)
@@ -280,7 +284,7 @@ def _run(q, k, v, beta, g, initial_state, impl, chunk_size, precision):
     return o.astype(dtype), s
 
 
-def delta_rule(q, k, v, beta, *, initial_state=None, impl: str = "chunked", chunk_size: int = 64, precision=HIGHEST):
+def delta_rule(q, k, v, beta, *, initial_state=None, impl: str = "chunked", chunk_size: int = 32, precision=HIGHEST):
     """Delta rule memory: `S_t = S_{t-1} + β_t k_tᵀ(v_t − k_t S_{t-1})`, `o_t = q_t S_t`.
 
     Args:
@@ -289,7 +293,8 @@ def delta_rule(q, k, v, beta, *, initial_state=None, impl: str = "chunked", chun
       initial_state: `S [B,H,Dk,Dv]`; zeros when None.
       impl: "chunked" (WY form; "chunked_scan" on CPU, "chunked_parallel" elsewhere),
         "chunked_scan", "chunked_parallel", or "recurrent" (token-by-token `lax.scan`).
-      chunk_size: tokens per chunk (any positive int; a power of two is fastest).
+      chunk_size: tokens per chunk (any positive int; a power of two is fastest). 32 measured
+        fastest on CPU for fwd+bwd at T = 4k (64 ties at 16k, 128 is 1.6x slower).
 
     Returns: `(o [B,T,H,Dv] in q's dtype, S [B,H,Dk,Dv] float32)`.
     """
@@ -297,7 +302,7 @@ def delta_rule(q, k, v, beta, *, initial_state=None, impl: str = "chunked", chun
 
 
 def gated_delta_rule(
-    q, k, v, beta, log_decay, *, initial_state=None, impl: str = "chunked", chunk_size: int = 64, precision=HIGHEST
+    q, k, v, beta, log_decay, *, initial_state=None, impl: str = "chunked", chunk_size: int = 32, precision=HIGHEST
 ):
     """Gated DeltaNet: `S_t = a_t S_{t-1} + β_t k_tᵀ(v_t − a_t k_t S_{t-1})`, `a_t = exp(log_decay_t)`.
 

@@ -13,10 +13,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nlearn.memory.chunking import check_positive, check_qkv, from_chunks, pad_time, to_chunks
+from nlearn.memory.chunking import (
+    check_positive,
+    check_qkv,
+    from_chunks,
+    from_chunks_first,
+    pad_time,
+    to_chunks,
+    to_chunks_first,
+)
 
 HIGHEST = jax.lax.Precision.HIGHEST
-_IMPLS = ("chunked", "recurrent")
+_IMPLS = ("chunked", "chunked_scan", "chunked_parallel", "recurrent")
 
 
 class LinearAttentionState(NamedTuple):
@@ -30,6 +38,18 @@ def check_impl(impl: str, allowed=_IMPLS) -> None:
     """Refuse an unknown `impl=` with the allowed values."""
     if impl not in allowed:
         raise ValueError(f"impl must be one of {allowed}, got {impl!r}")
+
+
+def resolve_chunked(impl: str) -> str:
+    """Map `impl="chunked"` to the faster chunked form for the default backend.
+
+    On CPU a `lax.scan` over chunks, rematerialized per chunk, wins: its tiles stay in cache and
+    it allocates little (`scripts/bench_ops.py`). On GPU/TPU the form that does every chunk's
+    intra-chunk work at once feeds the matrix units better.
+    """
+    if impl != "chunked":
+        return impl
+    return "chunked_scan" if jax.default_backend() == "cpu" else "chunked_parallel"
 
 
 def check_state_shape(name: str, x, shape: tuple[int, ...]) -> None:
@@ -82,7 +102,32 @@ def _linear_attention_recurrent(q, k, v, s0, c0):
     return jnp.moveaxis(o, 0, 1), s, c
 
 
-def chunked_linear_attention(q, k, v, s0, c0, chunk: int, precision):
+def _linear_attention_chunked_scan(q, k, v, s0, c0, chunk: int, precision):
+    """Chunked form as a `lax.scan` over chunks, each step rematerialized in the backward pass:
+    `o = Q S + tril(Q Kᵀ) V` (over `Q c + rowsum(tril(Q Kᵀ))` when normalized), `S += Kᵀ V`."""
+    t = q.shape[1]
+    ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision)  # noqa: E731
+    xs = tuple(to_chunks_first(x, chunk) for x in (q, k, v))  # [N,B,H,C,D]
+    n = xs[0].shape[0]
+    pad_rows = (jnp.arange(n * chunk) >= t).reshape(n, 1, 1, chunk)  # padding: keep den != 0
+    mask = jnp.tril(jnp.ones((chunk, chunk), bool))
+
+    def step(carry, x):
+        s, c = carry
+        q_n, k_n, v_n, pad = x
+        scores = jnp.where(mask, ein("...ik,...jk->...ij", q_n, k_n), 0.0)
+        o = ein("...ck,...kv->...cv", q_n, s) + ein("...ij,...jv->...iv", scores, v_n)
+        if c is not None:
+            den = jnp.einsum("...ck,...k->...c", q_n, c, precision=precision) + jnp.sum(scores, -1)
+            o = o / jnp.where(pad, 1.0, den)[..., None]
+            c = c + jnp.sum(k_n, axis=-2)
+        return (s + ein("...ck,...cv->...kv", k_n, v_n), c), o
+
+    (s, c), o = jax.lax.scan(jax.checkpoint(step), (s0, c0), (*xs, pad_rows))
+    return from_chunks_first(o, t), s, c
+
+
+def _linear_attention_chunked_parallel(q, k, v, s0, c0, chunk: int, precision):
     """Chunk-parallel form: chunk states by an exclusive cumsum, causal `tril(QKᵀ)V` inside chunks."""
     t = q.shape[1]
     ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision)  # noqa: E731
@@ -125,7 +170,9 @@ def linear_attention(
       q, k: `[B, T, H, Dk]` (already featurized); v: `[B, T, H, Dv]`.
       normalize: divide by `q_t · c_t`, `c_t = c_{t-1} + k_t` (needs positive features).
       initial_state: `S [B,H,Dk,Dv]`, or `(S, c)` when normalized; zeros when None.
-      impl: "chunked" (parallel chunks) or "recurrent" (token-by-token `lax.scan`).
+      impl: "chunked" ("chunked_scan" on CPU, "chunked_parallel" elsewhere), "chunked_scan"
+        (scan over chunks, remat per chunk), "chunked_parallel" (all chunks at once, chunk
+        states by a cumulative sum), or "recurrent" (token-by-token `lax.scan`).
       chunk_size: tokens per chunk of the chunked form (any positive int; T need not divide).
       precision: matmul precision of the chunked form.
 
@@ -139,10 +186,13 @@ def linear_attention(
     s0, c0 = _initial(initial_state, normalize, b, h, dk, dv)
     dtype = q.dtype
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    impl = resolve_chunked(impl)
     if impl == "recurrent":
         o, s, c = _linear_attention_recurrent(q, k, v, s0, c0)
+    elif impl == "chunked_scan":
+        o, s, c = _linear_attention_chunked_scan(q, k, v, s0, c0, chunk_size, precision)
     else:
-        o, s, c = chunked_linear_attention(q, k, v, s0, c0, chunk_size, precision)
+        o, s, c = _linear_attention_chunked_parallel(q, k, v, s0, c0, chunk_size, precision)
     return o.astype(dtype), _pack(s, c)
 
 

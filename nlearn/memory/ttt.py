@@ -8,9 +8,11 @@ of updates: `W_t = W_s − Σ_{j≤t} η_j ∇_W l_j(W_s)`, `o_t = f(q_t; W_t, b
 Dual form per mini-batch (the paper's; ttt-lm-jax), with `G = ∇_Z l` for `Z = K W_s + b_s`:
   `Z̄ = Q W_s + b_s − (tril(Q Kᵀ + 1) ⊙ η_j) G`,  `o = Q + LN(Z̄)`,
   `W ← W_s − (η ⊙ K)ᵀ G`,  `b ← b_s − Σ_j η_j G_j`,
-so no per-token weight matrix is ever formed. A `lax.scan` runs over groups of mini-batches,
-each group rematerialized (`jax.checkpoint`) in the backward pass: training stores one `(W, b)`
-per group, never per token.
+so no per-token weight matrix is ever formed. Only the carry of `(W, b)` across mini-batches is
+sequential: a loop over steps of `remat_group` mini-batches on the time-major inputs, with a
+hand-written adjoint (`_ttt_scan`'s custom VJP) that stores, per token, the inner gradient and
+the LayerNorm statistics, and one `(W, b)` per step; the states inside a step are recomputed.
+Memory is linear in T and nothing of size `[D, D]` is kept per token.
 
 Streaming: the state remembers the mini-batch in progress (its start `(W_s, b_s)` and how many
 of its tokens were seen), so feeding a sequence in pieces, or token by token with
@@ -25,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nlearn.memory.chunking import check_gate, check_positive, check_qkv, from_chunks_first, pad_time, to_chunks_first
+from nlearn.memory.chunking import check_gate, check_positive, check_qkv, pad_time
 from nlearn.memory.linear_attention import HIGHEST, check_impl, check_state_shape
 
 LN_EPS = 1e-6
@@ -86,14 +88,15 @@ def _read(x, z, scale, bias):
 def _mb_forward(w, b, x, scale, bias, precision):
     """Dual form of one mini-batch for all `[B,H]` from its start state `(w, b)`.
 
-    x = (q, k, v, ke = η ⊙ k `[B,H,C,D]`, eta `[B,H,C]`, attn `[B,H,C,C]` = `tril(q kᵀ + 1) ⊙ η_j`);
-    scale, bias `[H,1,D]`. Returns (W', b', Z̄, G, x̂, r, c): the pre-LayerNorm reads `Z̄`, the
-    inner gradients `G = ∇_Z l` at `Z = k w + b`, and what the backward pass needs of the
-    LayerNorm: `x̂ = LN(Z)`, `r = 1/σ`, `c = mean(γ ⊙ x̂)` with `γ = (f(k) − v) ⊙ scale`.
+    x = (q, k, v `[B,H,C,D]`, eta `[B,H,C]`); scale, bias `[H,1,D]`. Returns (W', b', Z̄, G, x̂, r,
+    c): the pre-LayerNorm reads `Z̄ = Z_q − attn G` with `attn = tril(q kᵀ + 1) ⊙ η_j`, the inner
+    gradients `G = ∇_Z l` at `Z = k w + b`, and what the backward pass needs of the LayerNorm:
+    `x̂ = LN(Z)`, `r = 1/σ`, `c = mean(γ ⊙ x̂)` with `γ = (f(k) − v) ⊙ scale`.
     """
-    q, k, v, ke, eta, attn = x
+    q, k, v, eta = x
     n, d = q.shape[-2], q.shape[-1]
-    z = jnp.einsum("bhcd,bhde->bhce", jnp.concatenate([k, q], axis=-2), w, precision=precision) + b[..., None, :]
+    ein = partial(jnp.einsum, precision=precision)
+    z = ein("bhcd,bhde->bhce", jnp.concatenate([k, q], axis=-2), w) + b[..., None, :]
     zk = z[..., :n, :]
     zc = zk - jnp.mean(zk, axis=-1, keepdims=True)
     r = jax.lax.rsqrt(jnp.mean(zc * zc, axis=-1, keepdims=True) + LN_EPS)
@@ -101,10 +104,18 @@ def _mb_forward(w, b, x, scale, bias, precision):
     gam = (k + scale * xh + bias - v) * scale
     a, c = jnp.split(jnp.sum(jnp.stack([gam, gam * xh]), axis=-1, keepdims=True) / d, 2)
     g = r * (gam - a[0] - xh * c[0])
-    zbar = z[..., n:, :] - jnp.einsum("bhij,bhjd->bhid", attn, g, precision=precision)
-    w = w - jnp.einsum("bhjd,bhje->bhde", ke, g, precision=precision)
+    attn = _attn(q, k, eta, precision)
+    zbar = z[..., n:, :] - ein("bhij,bhjd->bhid", attn, g)
+    w = w - ein("bhjd,bhje->bhde", k * eta[..., None], g)
     b = b - jnp.sum(eta[..., None] * g, axis=-2)
     return w, b, zbar, g, xh, r, c[0]
+
+
+def _attn(q, k, eta, precision):
+    """`tril(q kᵀ + 1) ⊙ η_j` of one mini-batch `[B,H,C,C]`: token i reads j's update for j ≤ i."""
+    c = q.shape[-2]
+    qk1 = jnp.einsum("bhid,bhjd->bhij", q, k, precision=precision) + 1.0
+    return jnp.where(jnp.tril(jnp.ones((c, c), bool)), qk1 * eta[..., None, :], 0.0)
 
 
 def _inner_grad_bwd(dg, g, xh, r, c, k, v, scale, bias):
@@ -127,102 +138,119 @@ def _inner_grad_bwd(dg, g, xh, r, c, k, v, scale, bias):
     return dz, e_bar, -e_bar, e * gam_bar + xh * e_bar, e_bar
 
 
-def _mb_slice(x_step, i, mb):
-    """Mini-batch i of one scan step: xs entries are `[B,H,span,...]`, attn is `[B,H,group,C,C]`."""
-    q, k, v, ke, eta, attn = x_step
-    sl = slice(i * mb, (i + 1) * mb)
-    return q[..., sl, :], k[..., sl, :], v[..., sl, :], ke[..., sl, :], eta[..., sl], attn[..., i, :, :]
+def _tile(x, t0, mb):
+    """Mini-batch at time `t0` of a time-major `[B,T,H,...]` array, as `[B,H,C,...]`."""
+    return jnp.moveaxis(jax.lax.dynamic_slice_in_dim(x, t0, mb, axis=1), 1, 2)
 
 
-def _scan_forward(w0, b0, xs, scale, bias, group, precision):
-    """`lax.scan` over steps of `group` mini-batches; xs as in `_ttt_scan`.
+def _put(buf, tile, t0):
+    """Write a `[B,H,C,...]` tile back into a time-major buffer at `t0`."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.moveaxis(tile, 2, 1), t0, axis=1)
 
-    Returns (Z̄, G, x̂ `[S,B,H,span,D]`, r, c `[S,B,H,span,1]`, the states entering each step, the
-    final state).
+
+def _scan_forward(w0, b0, q, k, v, eta, scale, bias, mb, group, precision):
+    """Loop over steps of `group` mini-batches on time-major `[B,T,H,D]` inputs (T a multiple of
+    `mb·group`); tiles are sliced in place, so no chunk-major copies of the inputs are made.
+
+    Returns (Z̄, G, x̂ `[B,T,H,D]`, r, c `[B,T,H,1]`, the states entering each step, final state).
     """
-    mb = xs[5].shape[-1]
+    bsz, t, h, d = q.shape
+    span = mb * group
+    n_steps = t // span
+    f32 = jnp.float32
+    bufs = (jnp.zeros((bsz, t, h, d), f32),) * 3 + (jnp.zeros((bsz, t, h, 1), f32),) * 2
+    w_in = jnp.zeros((n_steps,) + w0.shape, f32)
 
-    def body(carry, x_step):
-        w, b = carry
-        outs = []
+    def body(s, carry):
+        w, b, bufs, w_in = carry
+        w_in = w_in.at[s].set(w)
         for i in range(group):
-            w, b, *out = _mb_forward(w, b, _mb_slice(x_step, i, mb), scale, bias, precision)
-            outs.append(out)
-        joined = tuple(jnp.concatenate(o, axis=-2) for o in zip(*outs))
-        return (w, b), (*joined, carry[0])
+            t0 = (s * group + i) * mb
+            x = (_tile(q, t0, mb), _tile(k, t0, mb), _tile(v, t0, mb), _tile(eta[..., None], t0, mb)[..., 0])
+            w, b, *outs = _mb_forward(w, b, x, scale, bias, precision)
+            bufs = tuple(_put(buf, o, t0) for buf, o in zip(bufs, outs))
+        return w, b, bufs, w_in
 
-    (w_fin, b_fin), (zbar, g, xh, r, c, w_in) = jax.lax.scan(body, (w0, b0), xs)
+    w_fin, b_fin, (zbar, g, xh, r, c), w_in = jax.lax.fori_loop(0, n_steps, body, (w0, b0, bufs, w_in))
     return zbar, g, (xh, r, c), w_in, w_fin, b_fin
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ttt_scan(w0, b0, xs, ln, group, precision):
-    """Sequential part of the dual form: (Z̄, G `[S,B,H,span,D]`, W_fin, b_fin).
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ttt_scan(w0, b0, xs, ln, mb, group, precision):
+    """Sequential part of the dual form on time-major inputs: (Z̄, G `[B,T,H,D]`, W_fin, b_fin).
 
-    w0, b0: start state; xs = (q, k, v, ke = η⊙k `[S,B,H,span,D]`, eta `[S,B,H,span]`, attn
-    `[S,B,H,group,C,C]`), S scan steps of `group` mini-batches of C tokens (span = group·C);
-    ln = (scale, bias) `[H,1,D]`.
+    w0, b0: start state `[B,H,D,D]`, `[B,H,D]`; xs = (q, k, v `[B,T,H,D]`, eta `[B,T,H]`) with T
+    a multiple of `mb·group`; ln = (scale, bias) `[H,1,D]`.
 
-    The custom VJP stores G and the LayerNorm's `x̂, r, c` per mini-batch and the state entering
-    each step, recomputes the states inside a step, and walks back with the hand-written adjoints
-    of `W' = W − (η⊙K)ᵀ G`, `b' = b − Σ η G`, `Z = [K;Q] W + b`, `Z̄ = Z_q − attn G` and of the
-    inner LayerNorm gradient (`_inner_grad_bwd`). The pieces that need no weights (`dattn`,
-    `attnᵀ dZ̄`, the LayerNorm affine's sums) are done for all mini-batches at once.
+    The custom VJP stores G and the LayerNorm's `x̂, r, c` of every token and the state entering
+    each step of `group` mini-batches, recomputes the states inside a step, and walks back with
+    the hand-written adjoints of `W' = W − (η⊙K)ᵀ G`, `b' = b − Σ η G`, `Z = [K;Q] W + b`,
+    `Z̄ = Z_q − attn G` and of the inner LayerNorm gradient (`_inner_grad_bwd`).
     """
-    zbar, g, _, _, w_fin, b_fin = _scan_forward(w0, b0, xs, *ln, group, precision)
+    zbar, g, _, _, w_fin, b_fin = _scan_forward(w0, b0, *xs, *ln, mb, group, precision)
     return zbar, g, w_fin, b_fin
 
 
-def _ttt_scan_fwd(w0, b0, xs, ln, group, precision):
-    zbar, g, saved, w_in, w_fin, b_fin = _scan_forward(w0, b0, xs, *ln, group, precision)
+def _ttt_scan_fwd(w0, b0, xs, ln, mb, group, precision):
+    zbar, g, saved, w_in, w_fin, b_fin = _scan_forward(w0, b0, *xs, *ln, mb, group, precision)
     return (zbar, g, w_fin, b_fin), (xs, ln, g, saved, w_in)
 
 
-def _ttt_scan_bwd(group, precision, res, cts):
-    xs, (scale, bias), g_all, saved, w_in = res
+def _ttt_scan_bwd(mb, group, precision, res, cts):
+    (q, k, v, eta), (scale, bias), g_all, (xh_all, r_all, c_all), w_in = res
     dzbar_all, dg_out, dw_fin, db_fin = cts
     ein = partial(jnp.einsum, precision=precision)
-    attn_all = xs[5]
-    s_, b_, h_, mb = attn_all.shape[0], attn_all.shape[1], attn_all.shape[2], attn_all.shape[-1]
-    blocks = lambda x: x.reshape(x.shape[:3] + (group, mb) + x.shape[4:])  # noqa: E731
-    # Z̄ = Z_q − attn G: the parts that need no weights, for every mini-batch at once.
-    dattn_all = -ein("...id,...jd->...ij", blocks(dzbar_all), blocks(g_all))
-    dg_all = dg_out - ein("...ij,...id->...jd", attn_all, blocks(dzbar_all)).reshape(dzbar_all.shape)
+    bsz, t, h, d = q.shape
+    n_steps = w_in.shape[0]
+    mask = jnp.tril(jnp.ones((mb, mb), bool))
+    eta4 = eta[..., None]
 
-    def body(carry, x):
-        lam_w, lam_b, dscale, dbias = carry
-        x_step, g_s, (xh_s, r_s, c_s), dzbar_s, dg_s, w0 = x
-        sl = [slice(i * mb, (i + 1) * mb) for i in range(group)]
-        ws = [w0]  # states entering each mini-batch of the step, recomputed as in the forward
-        for i in range(group - 1):
-            ws.append(ws[-1] - ein("bhjd,bhje->bhde", x_step[3][..., sl[i], :], g_s[..., sl[i], :]))
-        grads = [None] * group
+    def body(j, carry):
+        s = n_steps - 1 - j
+        lam_w, lam_b, dscale, dbias, (dq_buf, dk_buf, dv_buf, deta_buf) = carry
+        tiles = []
+        ws = [w_in[s]]  # states entering each mini-batch of the step, recomputed as in the forward
+        for i in range(group):
+            t0 = (s * group + i) * mb
+            tl = tuple(_tile(x, t0, mb) for x in (q, k, v, eta4, g_all, xh_all, r_all, c_all, dzbar_all, dg_out))
+            tiles.append((t0, tl))
+            if i < group - 1:
+                ws.append(ws[-1] - ein("bhjd,bhje->bhde", tl[1] * tl[3], tl[4]))
         for i in reversed(range(group)):
-            q, k, v, ke, eta, _ = _mb_slice(x_step, i, mb)
-            g, xh, r, c = (y[..., sl[i], :] for y in (g_s, xh_s, r_s, c_s))
+            t0, (q_, k_, v_, eta_, g, xh, r, c, dzbar, dg_ext) = tiles[i]
+            eta_ = eta_[..., 0]
+            ke = k_ * eta_[..., None]
+            # Z̄ = Z_q − attn G, attn = tril(q kᵀ + 1) ⊙ η_j.
+            qk1 = ein("bhid,bhjd->bhij", q_, k_) + 1.0
+            attn = jnp.where(mask, qk1 * eta_[..., None, :], 0.0)
+            dattn = jnp.where(mask, -ein("bhid,bhjd->bhij", dzbar, g), 0.0)
+            dqk = dattn * eta_[..., None, :]
+            deta = jnp.sum(dattn * qk1, axis=-2)
             # W' = W − keᵀ G and b' = b − Σ η G, with lam_* the cotangents of W', b'.
-            dg = dg_s[..., sl[i], :] - ein("bhjd,bhde->bhje", ke, lam_w) - eta[..., None] * lam_b[..., None, :]
+            dg = (dg_ext - ein("bhij,bhid->bhjd", attn, dzbar) - ein("bhjd,bhde->bhje", ke, lam_w)
+                  - eta_[..., None] * lam_b[..., None, :])
             dke = -ein("bhje,bhde->bhjd", g, lam_w)
-            deta = -jnp.sum(g * lam_b[..., None, :], axis=-1)
-            dzk, dk_inner, dv, dsc, dbi = _inner_grad_bwd(dg, g, xh, r, c, k, v, scale, bias)
+            deta = deta + jnp.sum(dke * k_, axis=-1) - jnp.sum(g * lam_b[..., None, :], axis=-1)
+            dzk, dk_inner, dv, dsc, dbi = _inner_grad_bwd(dg, g, xh, r, c, k_, v_, scale, bias)
             # Z = [K; Q] W + b.
-            dz = jnp.concatenate([dzk, dzbar_s[..., sl[i], :]], axis=-2)
-            lam_w = lam_w + ein("bhcd,bhce->bhde", jnp.concatenate([k, q], axis=-2), dz)
+            dz = jnp.concatenate([dzk, dzbar], axis=-2)
+            lam_w = lam_w + ein("bhcd,bhce->bhde", jnp.concatenate([k_, q_], axis=-2), dz)
             lam_b = lam_b + jnp.sum(dz, axis=-2)
             dkq = ein("bhce,bhde->bhcd", dz, ws[i])
-            grads[i] = (dkq[..., mb:, :], dkq[..., :mb, :] + dk_inner, dv, dke, deta)
+            dq = dkq[..., mb:, :] + ein("bhij,bhjd->bhid", dqk, k_)
+            dk = dkq[..., :mb, :] + dk_inner + dke * eta_[..., None] + ein("bhij,bhid->bhjd", dqk, q_)
+            dq_buf, dk_buf, dv_buf = _put(dq_buf, dq, t0), _put(dk_buf, dk, t0), _put(dv_buf, dv, t0)
+            deta_buf = _put(deta_buf, deta[..., None], t0)
             dscale, dbias = dscale + dsc, dbias + dbi
-        joined = tuple(jnp.concatenate(gr, axis=-1 if gr[0].ndim == 3 else -2) for gr in zip(*grads))
-        return (lam_w, lam_b, dscale, dbias), joined
+        return lam_w, lam_b, dscale, dbias, (dq_buf, dk_buf, dv_buf, deta_buf)
 
-    rows = jnp.zeros((b_, h_, mb, xs[0].shape[-1]), jnp.float32)  # per-row sums of the affine's cotangents
-    carry0 = (dw_fin, db_fin, rows, rows)
-    (dw0, db0, dscale, dbias), (dq, dk, dv, dke, deta) = jax.lax.scan(
-        body, carry0, (xs, g_all, saved, dzbar_all, dg_all, w_in), reverse=True)
+    rows = jnp.zeros((bsz, h, mb, d), jnp.float32)  # per-row sums of the affine's cotangents
+    bufs = (jnp.zeros_like(q),) * 3 + (jnp.zeros(eta4.shape, jnp.float32),)
+    dw0, db0, dscale, dbias, (dq, dk, dv, deta) = jax.lax.fori_loop(
+        0, n_steps, body, (dw_fin, db_fin, rows, rows, bufs))
     dscale = jnp.sum(dscale, axis=(0, 2))[:, None, :]  # [B,H,C,D] -> [H,1,D]
     dbias = jnp.sum(dbias, axis=(0, 2))[:, None, :]
-    del s_
-    return dw0, db0, (dq, dk, dv, dke, deta, dattn_all), (dscale, dbias)
+    return dw0, db0, (dq, dk, dv, deta[..., 0]), (dscale, dbias)
 
 
 _ttt_scan.defvjp(_ttt_scan_fwd, _ttt_scan_bwd)
@@ -230,8 +258,8 @@ _ttt_scan.defvjp(_ttt_scan_fwd, _ttt_scan_bwd)
 
 def _ttt_dual(q, k, v, eta, state: TTTState, offset_static: bool, minibatch: int, group: int, scale, bias,
               precision):
-    """Dual form over the sequence: the weight-independent work for all mini-batches at once, the
-    rest by `_ttt_scan`, then every read's LayerNorm at once.
+    """Dual form over the sequence: `_ttt_scan` over the mini-batches, then every read's
+    LayerNorm at once.
 
     `offset_static` means `state.pos` is known to be 0. Otherwise the call resumes a mini-batch in
     progress: the tokens are placed at its position (the empty slots before them have eta = 0 and
@@ -240,22 +268,12 @@ def _ttt_dual(q, k, v, eta, state: TTTState, offset_static: bool, minibatch: int
     """
     bsz, t, h, d = q.shape
     mb = minibatch
-    span = mb * group  # tokens per scan step
+    span = mb * group  # tokens per loop step
     sc, bi = scale[:, None, :], bias[:, None, :]
     ein = partial(jnp.einsum, precision=precision)
-    mask = jnp.tril(jnp.ones((mb, mb), bool))
-
-    def prepare(q_, k_, v_, eta_, chunk):
-        """Chunk-major `[S,B,H,chunk,...]` inputs of the scan, and attn `[S,B,H,chunk/C,C,C]`."""
-        q_, k_, v_ = (to_chunks_first(x, chunk) for x in (q_, k_, v_))
-        eta_ = to_chunks_first(eta_, chunk)
-        blk = lambda x: x.reshape(x.shape[:3] + (chunk // mb, mb) + x.shape[4:])  # noqa: E731
-        attn = jnp.where(mask, (ein("...id,...jd->...ij", blk(q_), blk(k_)) + 1.0) * blk(eta_)[..., None, :], 0.0)
-        return q_, k_, v_, k_ * eta_[..., None], eta_, attn
-
     if offset_static:
         offset = 0
-        xs = prepare(*(pad_time(x, span) for x in (q, k, v, eta)), span)
+        xs = tuple(pad_time(x, span) for x in (q, k, v, eta))
         w, b = state.W, state.b
         first = None
     else:
@@ -269,24 +287,22 @@ def _ttt_dual(q, k, v, eta, state: TTTState, offset_static: bool, minibatch: int
             return jax.lax.dynamic_update_slice_in_dim(buf, x, offset, axis=1)
 
         placed = [place(x) for x in (q, k, v, eta)]
-        q0, k0, v0, ke0, eta0, attn0 = (x[0] for x in prepare(*(x[:, :mb] for x in placed), mb))
-        attn0 = attn0[..., 0, :, :]
+        q0, k0, v0 = (jnp.moveaxis(x[:, :mb], 1, 2) for x in placed[:3])
+        eta0 = jnp.moveaxis(placed[3][:, :mb], 1, 2)
         zk0 = ein("bhcd,bhde->bhce", k0, state.W_start) + state.b_start[..., None, :]
         g0 = _inner_grad(zk0, k0, v0, sc, bi)
-        zbar0 = ein("bhcd,bhde->bhce", q0, state.W) + state.b[..., None, :] - ein("bhij,bhjd->bhid", attn0, g0)
-        w = state.W - ein("bhjd,bhje->bhde", ke0, g0)
+        zbar0 = ein("bhcd,bhde->bhce", q0, state.W) + state.b[..., None, :] - ein(
+            "bhij,bhjd->bhid", _attn(q0, k0, eta0, precision), g0)
+        w = state.W - ein("bhjd,bhje->bhde", k0 * eta0[..., None], g0)
         b = state.b - jnp.sum(eta0[..., None] * g0, axis=-2)
-        first = (zbar0, g0, ke0, eta0)
-        xs = prepare(*(x[:, mb:] for x in placed), span)
-    zbar, g, w_fin, b_fin = _ttt_scan(w, b, xs, (sc, bi), group, precision)
-    n_scan = xs[0].shape[0] * span
-    zbar, g = from_chunks_first(zbar, n_scan), from_chunks_first(g, n_scan)  # [B, n_scan, H, D]
+        first = (zbar0, g0)
+        xs = tuple(x[:, mb:] for x in placed)
+    zbar, g, w_fin, b_fin = _ttt_scan(w, b, xs, (sc, bi), mb, group, precision)
     if first is None:
-        k_time, eta_time = pad_time(k, span), pad_time(eta, span)
+        k_time, eta_time = xs[1], xs[3]
     else:  # put the peeled mini-batch back in front
-        to_time = lambda x: jnp.moveaxis(x, 2, 1)  # noqa: E731  [B,H,C,D] -> [B,C,H,D]
-        zbar = jnp.concatenate([to_time(first[0]), zbar], axis=1)
-        g = jnp.concatenate([to_time(first[1]), g], axis=1)
+        zbar = jnp.concatenate([jnp.moveaxis(first[0], 2, 1), zbar], axis=1)
+        g = jnp.concatenate([jnp.moveaxis(first[1], 2, 1), g], axis=1)
         k_time, eta_time = placed[1], placed[3]
         zbar = jax.lax.dynamic_slice_in_dim(zbar, offset, t, axis=1)
     o = _read(q, zbar[:, :t], scale, bias)
@@ -378,13 +394,17 @@ def ttt_linear(
       minibatch: tokens per inner mini-batch; T need not be a multiple (padding has eta = 0).
       initial_state: a `TTTState` from a previous call or `ttt_linear_init_state`.
       impl: "dual" (mini-batch dual form, scan over groups) or "recurrent" (token-by-token).
-      remat_group: mini-batches per rematerialized scan step of the dual form.
+      remat_group: mini-batches per loop step of the dual form: one `(W, b)` is stored per step
+        and the others recomputed in the backward pass (4: a quarter of the memory of 1, at
+        the same speed on CPU).
 
     Returns: `(o [B,T,H,D] in q's dtype, TTTState)`.
     """
     bsz, t, h, d, dv = check_qkv(q, k, v)
     if dv != d:
-        raise ValueError(f"ttt_linear needs v with the width of k (residual), got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"ttt_linear needs v with the width of k (residual), got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     check_gate("eta", eta, bsz, t, h)
     check_positive("minibatch", minibatch)
     check_positive("remat_group", remat_group)

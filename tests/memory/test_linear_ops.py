@@ -191,8 +191,8 @@ def run_np(x, op, minibatch=6, state=None):
 
 OPS = ["linear_attention", "linear_attention_normalized", "delta_rule", "gated_delta_rule", "ttt_linear"]
 FAST_IMPLS = {
-    "linear_attention": [None],
-    "linear_attention_normalized": [None],
+    "linear_attention": [None, "chunked_parallel"],
+    "linear_attention_normalized": [None, "chunked_parallel"],
     "delta_rule": [None, "chunked_parallel"],
     "gated_delta_rule": [None, "chunked_parallel"],
     "ttt_linear": [None],
