@@ -191,7 +191,7 @@ def _ttt_mlp_dual(q, k, v, eta, state: TTTMLPState, offset_static: bool, minibat
     change nothing) and that first mini-batch, whose gradients are taken at `state.start` but
     which reads and updates from `state.weights`, is done before the scan.
     """
-    bsz, t, h, d = q.shape
+    bsz, t = q.shape[:2]
     mb = minibatch
     span = mb * group  # tokens per scan step
     if offset_static:

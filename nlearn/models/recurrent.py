@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer
-from nlearn.layers.memory_mixer import TTTMLPMixer
+from nlearn.layers.memory_mixer import (DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer,
+                                        TTTMLPMixer)
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
