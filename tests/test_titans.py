@@ -138,6 +138,16 @@ def test_causal_and_decoding_equals_full_forward_across_segments(family, minibat
     assert max(sizes) <= bound  # the cache does not grow with the stream
 
 
+def test_mac_runs_in_bfloat16():
+    from nlearn.train.step import cast_params
+
+    model = models.build(small("titans_mac"))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, V, (2, 20)), jnp.int32)
+    low = jitted(nnx.merge(graphdef, cast_params(nnx.to_pure_dict(params), jnp.bfloat16)))(tokens)
+    assert low.shape == (2, 20, V) and bool(jnp.all(jnp.isfinite(low)))  # (the carry keeps its dtype)
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_presets_have_named_sizes(family):
     for preset in ("170m", "340m", "400m", "760m"):

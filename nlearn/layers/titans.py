@@ -184,8 +184,14 @@ class MACMixer(nnx.Module):
         return self._forward(x_BTD)[0], None
 
     def _forward(self, x_BTD):
-        lmm0 = self.lmm.init_cache(x_BTD.shape[0], 0, x_BTD.dtype)
-        return self._segments(x_BTD, 0, lmm0["state"], lmm0["convs"])[:2]
+        # Pad to whole segments (one scan body to compile): padding comes after every real token,
+        # so it changes no output; only the final state, which training does not keep.
+        b, t, d = x_BTD.shape
+        pad = -t % self.segment_len
+        x = jnp.concatenate([x_BTD, jnp.zeros((b, pad, d), x_BTD.dtype)], 1) if pad else x_BTD
+        lmm0 = self.lmm.init_cache(b, 0, x_BTD.dtype)
+        out, h = self._segments(x, 0, lmm0["state"], lmm0["convs"])[:2]
+        return out[:, :t], h[:, :t]
 
     def retrieved(self, x_BTD):
         """`h = M*_{s-1}(q) [B, T, H, D]`: what each token retrieves from the memory left by the
@@ -258,7 +264,11 @@ class MACMixer(nnx.Module):
 class MAGMixer(nnx.Module):
     """Memory as a gate: sliding-window attention over `[persistent ‖ x]` (window `model.window`)
     and the LMM over x run in parallel; per head both are RMS-normalised and mixed by a learned
-    sigmoid gate from x, `o = (g ⊙ RMSNorm(attn) + (1 - g) ⊙ RMSNorm(LMM)) W_o`, g = σ(x W_g)."""
+    sigmoid gate from x, `o = (g ⊙ RMSNorm(attn) + (1 - g) ⊙ RMSNorm(LMM)) W_o`, g = σ(x W_g).
+
+    The paper also feeds the persistent tokens through the memory (x̃ = [p ‖ x]); here they are
+    attention entries only: the memory's learned initial weights already play the part of a
+    learned, input-independent prefix for the LMM (the same holds for MAL)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.num_heads, self.head_dim = cfg.num_heads, _head_dim(cfg)
