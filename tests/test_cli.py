@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from run_helpers import run_cli, tiny_overrides
 
 
 def assert_one_line_failure(proc, *needles):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import transformer as transformer_config
-from conftest import ROOT, run_cli, tiny_overrides
+from run_helpers import ROOT, run_cli, tiny_overrides
 from nlearn.train.state import make_setup
 from nlearn.train.step import make_train_step
 

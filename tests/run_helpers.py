@@ -1,0 +1,30 @@
+"""Helpers shared by the end-to-end tests: small overrides and a subprocess runner for the CLIs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def tiny_overrides(cache_dir: str, text_glob: str, **extra) -> list[str]:
+    """CLI overrides for a seconds-long run on the small text corpus."""
+    values = {
+        "data.source": "text", "data.path": text_glob, "data.cache_dir": cache_dir,
+        "data.vocab_size": 300, "data.eval_tokens": 2048,
+        "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 2,
+        "train.steps": 6, "train.batch_size": 8, "train.seq_len": 32, "train.warmup_steps": 2,
+        "train.log_every": 2, "train.peak_gflops": 100.0, "checkpoint.every_steps": 3,
+        "logging.wandb_mode": "disabled", "logging.plot": False,
+    }
+    values.update(extra)
+    return [f"--config.{k}={v}" for k, v in values.items()]
+
+
+def run_cli(module: str, *args: str, env: dict | None = None, timeout: int = 300):
+    """Run `python -m nlearn.cli.<module> args` and return the CompletedProcess."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env.setdefault("JAX_PLATFORMS", "cpu")
+    return subprocess.run([sys.executable, "-m", f"nlearn.cli.{module}", *args], cwd=ROOT,
+                          capture_output=True, text=True, env=full_env, timeout=timeout)
