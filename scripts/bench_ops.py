@@ -15,6 +15,7 @@ token (Dk = Dv = D, C = chunk size, b = TTT mini-batch); fwd+bwd counts 3x forwa
   delta_rule         6·D² + 8·C·D + (2/3)·C²         (Q Kᵀ, K Kᵀ, WY inverse, T·rhs, K S, Q S, Kᵀ u, P u)
   gated_delta_rule   same as delta_rule
   ttt_linear         6·D² + 4·b·D                    ([K;Q] W, Kᵀ G, Q Kᵀ, attn G)
+  ttt_mlp            56·D² + 20·b·D                  (F = 4D: [K;Q] W1, X W2 x2, G2 W2ᵀ, both updates, 4 tril products)
   softmax attention  2·T·D per token on average      (causal half of Q Kᵀ and P V)
 
 To add an op (e.g. `neural_memory`), append a `Case` to `CASES`.
@@ -37,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
-from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear  # noqa: E402
+from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear, ttt_mlp  # noqa: E402
 
 
 @dataclass
@@ -101,6 +102,19 @@ CASES: list[Case] = [
             q, k, v, eta, W0=w0, b0=b0, ln_scale=s, ln_bias=bb, minibatch=TTT_MB,
             **({"impl": impl} if impl else {}))[0],
         lambda t, h, d: h * t * (6 * d * d + 4 * TTT_MB * d),
+    ),
+    Case(
+        "ttt_mlp",
+        lambda rng, b, t, h, d: (*_qkv(rng, b, t, h, d), _gates(rng, b, t, h, 0.0, 0.1 / d),
+                                 jnp.asarray(0.02 * rng.normal(size=(h, d, 4 * d)), jnp.float32),
+                                 jnp.zeros((h, 4 * d), jnp.float32),
+                                 jnp.asarray(0.02 * rng.normal(size=(h, 4 * d, d)), jnp.float32),
+                                 jnp.zeros((h, d), jnp.float32), jnp.ones((h, d), jnp.float32),
+                                 jnp.zeros((h, d), jnp.float32)),
+        lambda q, k, v, eta, w1, b1, w2, b2, s, bb, impl=None: ttt_mlp(
+            q, k, v, eta, W1_0=w1, b1_0=b1, W2_0=w2, b2_0=b2, ln_scale=s, ln_bias=bb, minibatch=TTT_MB,
+            **({"impl": impl} if impl else {}))[0],
+        lambda t, h, d: h * t * (56 * d * d + 20 * TTT_MB * d),
     ),
 ]
 
