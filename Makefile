@@ -30,7 +30,7 @@ train: setup
 
 ## The CI suite (slow tests excluded; `make test-all` runs them too).
 test: setup
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"
