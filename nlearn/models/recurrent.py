@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 
 from nlearn.layers.memory_mixer import (DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer,
                                         TTTMLPMixer)
