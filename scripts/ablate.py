@@ -59,7 +59,8 @@ def main():
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} | | |")
         else:
-            lines.append(f"| {r['variant']} | {r['train_loss']:.3f} | {r['eval_loss']:.3f} | {r['minutes']:.1f} min |")
+            lines.append(f"| {r['variant']} | {r['train_loss']:.3f} | {r['eval_loss']:.3f} | "
+                         f"{r['minutes']:.1f} min |")
     body = "\n".join(lines)
     print(body)
     if not args.no_readme:

@@ -12,7 +12,8 @@ from ml_collections import config_flags
 
 from nlearn.cli.common import run as run_app
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config (default: the run's saved config.json).", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config (default: the run's saved config.json).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: newest readable).")
 flags.mark_flag_as_required("workdir")

@@ -14,7 +14,8 @@ from ml_collections import config_flags
 from nlearn.cli.common import run as run_app
 from nlearn.errors import UserError
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config whose corpus and data.vocab_size to use.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config whose corpus and data.vocab_size to use.", lock_config=True)
 _INPUT = flags.DEFINE_string("input", None, "Glob of UTF-8 text files to train on (instead of --config).")
 _VOCAB = flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size with --input.")
 _OUTPUT = flags.DEFINE_string("output", "tokenizer", "Model prefix with --input (writes PREFIX.model).")

@@ -5,7 +5,8 @@ from ml_collections import config_flags
 
 from nlearn.cli.common import run as run_app
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset, e.g. configs/transformer.py:tiny.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file and preset, e.g. configs/transformer.py:tiny.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, resolved config.")
 flags.mark_flags_as_required(["config", "workdir"])
 

@@ -21,7 +21,8 @@ def make_attention(cfg, layer_index: int, rngs):
 
 def validate(config) -> None:
     if head_dim(config.model) % 2:
-        raise UserError(f"invalid config value model.head_dim={head_dim(config.model)}: RoPE needs an even head dimension")
+        raise UserError(f"invalid config value model.head_dim={head_dim(config.model)}: "
+                        "RoPE needs an even head dimension")
 
 
 register("transformer", make_attention, validate)
