@@ -64,7 +64,8 @@ def main():
     body = "\n".join(lines)
     print(body)
     if not args.no_readme:
-        cmd = " ".join(["python scripts/ablate.py", f"--family={args.family}", f"--steps={args.steps}", *args.overrides])
+        cmd = " ".join(["python scripts/ablate.py", f"--family={args.family}", f"--steps={args.steps}",
+                        *args.overrides])
         replace_section("ablation", f"Made by `{cmd}` on the 2-core CPU (built-in corpus).\n\n{body}")
 
 
