@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 from nlearn.utils.readme import replace_section  # noqa: E402
 
-VARIANTS = ("", "optimizer=sgd", "optimizer=momentum", "optimizer=dgd", "objective=dot",
+VARIANTS = ("", "optimizer=sgd", "optimizer=dgd", "objective=dot",
             "minibatch=4", "depth=3")
 
 
