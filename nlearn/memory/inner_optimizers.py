@@ -18,7 +18,7 @@ x [B, H, d_in] at the state where the token's mini-batch starts; gates are `[B, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 

@@ -13,7 +13,9 @@ gradients at the state θ_{s(t)} where the mini-batch starts (b = 1: fully onlin
                W_t = ((1 − α_t) I − η_t x_tᵀ x_t) W_{t-1} + U_t,  U_t = μ_t U_{t-1} − η_t g_t
 
 `momentum=None` means μ = 0 (then "momentum" is decayed SGD whose state U holds −η_t g_t of the last
-token); `decay=None` means α = 0.
+token); `decay=None` means α = 0. Activations: "gelu" is the tanh approximation (jax.nn.gelu's
+default, also ttt-lm-jax's); "gelu_exact" is the erf form, several times slower to differentiate
+twice on CPU.
 
 DGD (Nested Learning eq. 88) is written there for column-vector memories, M_t = M_{t-1}(α_t I −
 η_t k_t k_tᵀ) − η_t ∇L with α_t a retention. With our row vectors W = Mᵀ the symmetric preconditioner
@@ -26,19 +28,26 @@ multiplies the current W_{t-1}. What it reduces to for L = 1, μ = 0, α = 0:
     l2, b = 1 (g = kᵀ(kW_{t-1} − v)):  W_t = (I − 2η_t k_tᵀk_t) W_{t-1} + η_t k_tᵀ v_t, a delta rule
         with β = 2η toward the target v/2 (the preconditioner doubles the erase).
 
+DGD is only stable while η_t‖x_t‖² < 2 for every layer input (the preconditioner's eigenvalue
+a_t − η_t‖x‖² must stay above −1): keys are unit-norm, but hidden activations of a deep memory are
+not, so deep DGD memories need a small η.
+
 Two implementations with the same semantics:
 - impl="recurrent": per-token `jax.grad` of the inner loss inside `lax.scan`; any inner model or
   optimizer step; one θ copy per token is kept for the backward pass.
-- impl="chunked" (default): one scan step per mini-batch (rematerialised with `jax.checkpoint`, so
-  backward memory is O(T·d + (T/b)·|θ|)). Within a mini-batch every layer's gradient is a sum of
-  outer products x_jᵀ δ_j of its inputs and back-propagated errors at the start state; momentum and
-  decay are linear recurrences whose b×b lower-triangular coefficient matrices come from cumulative
-  products of a = 1 − α and μ, so θ_t = A_t θ_c + m_t U_c − Σ_j C_tj η_j x_jᵀ δ_j. Reads use the
-  dual form y W_t = A_t y W_c + m_t y U_c − Σ_j C_tj η_j (y·x_j) δ_j layer by layer; DGD adds a unit
+- impl="chunked" (default), b > 1: one scan step per mini-batch, `SCAN_GROUP` mini-batches per
+  rematerialised (`jax.checkpoint`) step, so backward memory is O(T·d + (T/(b·G))·|θ|). Within a
+  mini-batch every layer's gradient is a sum of outer products x_jᵀ δ_j of its inputs and
+  back-propagated errors at the start state; momentum and decay are linear recurrences whose b×b
+  lower-triangular coefficient matrices come from cumulative products of a = 1 − α and μ, so
+  θ_t = A_t θ_c + m_t U_c − Σ_j C_tj η_j x_jᵀ δ_j. Reads use the dual form
+  y W_t = A_t y W_c + m_t y U_c − Σ_j C_tj η_j (y·x_j) δ_j layer by layer; DGD adds a unit
   lower-triangular solve for u_t = x_t W_{t-1} (as in the chunked delta rule). No per-token copy of
-  the weights is ever formed. For b = 1 this is a scan over tokens: with a deep memory each token's
-  gradient needs the previous token's weights, so the sequential dependence is inherent; the body is
-  then just the lean per-token update.
+  the weights is ever formed.
+- impl="chunked", b = 1: with a deep memory each token's gradient needs the previous token's
+  weights, so a scan over tokens is inherent (grouping tokens into a dual-form chunk would change
+  the schedule). The body is the lean per-token update: hand-written backprop, rank-1 updates, no
+  coefficient matrices, `SCAN_GROUP` tokens per checkpointed step. It runs any `InnerOptimizer`.
 
 Streaming: `initial_state=(θ, U)` starts a new mini-batch, so a stream split on mini-batch
 boundaries is exact. Splits anywhere (and the decode step) use `NeuralMemoryState`, which also
@@ -49,13 +58,20 @@ carries the mini-batch start state and the position in the mini-batch: pass
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nlearn.memory.chunking import check_gate, check_positive, check_qkv, from_chunks, to_chunks
+from nlearn.memory.chunking import (
+    check_gate,
+    check_positive,
+    check_qkv,
+    from_chunks,
+    to_chunks,
+)
 from nlearn.memory.inner_optimizers import InnerOptimizer, get_inner_optimizer
 from nlearn.memory.objectives import Objective, get_objective, output_grad
 
@@ -259,37 +275,14 @@ def _swap(x):
     return jnp.swapaxes(x, -1, -2)
 
 
-_OPTS = {"update": "matmul", "merge": True, "remat": "full", "group": 4}
-
-
-@jax.custom_vjp
-def _outer_sum_rank1(x, e):
-    c = x.shape[-2]
-    acc = x[..., 0, :, None] * e[..., 0, None, :]
-    for j in range(1, c):
-        acc = acc + x[..., j, :, None] * e[..., j, None, :]
-    return acc
-
-
-def _outer_sum_fwd(x, e):
-    return _outer_sum_rank1(x, e), (x, e)
-
-
-def _outer_sum_bwd(res, g):
-    x, e = res
-    return jnp.matmul(e, _swap(g)), jnp.matmul(x, g)
-
-
-_outer_sum_rank1.defvjp(_outer_sum_fwd, _outer_sum_bwd)
+# Mini-batches per rematerialised scan step (unrolled) once there are at least 16 groups: the
+# backward pass keeps one state per group instead of one per mini-batch (the forward is recomputed
+# once either way); short sequences keep one mini-batch per step, which compiles faster.
+SCAN_GROUP = 4
 
 
 def _outer_sum(x, e):
-    """Σ_j x_jᵀ e_j for x [..., c, d_in], e [..., c, d_out] -> [..., d_in, d_out].
-
-    For short chunks the unrolled sum of rank-1 terms fuses into one vectorised loop on CPU,
-    several times faster than a dot that contracts only c rows; its backward is two plain matmuls."""
-    if _OPTS["update"] == "rank1" and x.shape[-2] <= 32:
-        return _outer_sum_rank1(x, e)
+    """Σ_j x_jᵀ e_j for x [..., c, d_in], e [..., c, d_out] -> [..., d_in, d_out]."""
     return jnp.matmul(_swap(x), e)
 
 
@@ -308,7 +301,7 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     # Key side at the start state: layer inputs x_i, pre-activations z_i, errors δ_i. When the
     # reads start from the same state, q meets W_1 in the same matmul as k.
     q_first = None
-    if same_start and _OPTS["merge"]:
+    if same_start:
         zz = jnp.matmul(jnp.concatenate([k, q], axis=-2), theta_s[0])
         q_first = zz[..., c:, :]
         first_layer = zz[..., :c, :]
@@ -352,14 +345,26 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
             us[i] = lax.linalg.triangular_solve(eye + gram * deta_p, rhs, left_side=True, lower=True,
                                                 unit_diagonal=True)
 
+    cat = [None] * nl
+    if mvec is not None:
+        # y W_c and y U_c in one matmul against [W_c | U_c].
+        cat = [jnp.concatenate([t_, u_], axis=-1) for t_, u_ in zip(theta_c, U_c)]
+
     def read(y0, av, mv, ce, de, first=None):
         y = y0
         for i in range(nl):
             gy = jnp.matmul(y, _swap(inputs[i]))
-            yw = first if (i == 0 and first is not None) else jnp.matmul(y, theta_c[i])
+            yu = None
+            if i == 0 and first is not None:
+                yw = first
+            elif mv is not None and cat[i] is not None:
+                yy = jnp.matmul(y, cat[i])
+                yw, yu = yy[..., :theta_c[i].shape[-1]], yy[..., theta_c[i].shape[-1]:]
+            else:
+                yw = jnp.matmul(y, theta_c[i])
             z = av[..., None] * yw - jnp.matmul(gy * ce, deltas[i])
             if mv is not None:
-                z = z + mv[..., None] * jnp.matmul(y, U_c[i])
+                z = z + mv[..., None] * (jnp.matmul(y, U_c[i]) if yu is None else yu)
             if de is not None:
                 z = z - jnp.matmul(gy * de, us[i])
             y = spec.act(z) if i < nl - 1 else z
@@ -380,16 +385,18 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
         err = ceta[..., -1, :, None] * deltas[i]
         if deta is not None:
             err = err + deta[..., -1, :, None] * us[i]
-        w = a_last * theta_c[i] - _outer_sum(x, err)
+        if opt.momentum:
+            pe = (pmat[..., -1, :] * eta)[..., :, None] * deltas[i]
+            both = _outer_sum(x, jnp.concatenate([err, pe], axis=-1))
+            dw, du = both[..., :err.shape[-1]], both[..., err.shape[-1]:]
+            U_new.append(mprod[..., -1, None, None] * U_c[i] - du)
+        else:
+            dw = _outer_sum(x, err)
+            U_new.append(U_c[i])
+        w = a_last * theta_c[i] - dw
         if mvec is not None:
             w = w + mvec[..., -1, None, None] * U_c[i]
         theta_new.append(w)
-        if opt.momentum:
-            m_last = mprod[..., -1, None, None]
-            pe = (pmat[..., -1, :] * eta)[..., :, None]
-            U_new.append(m_last * U_c[i] - _outer_sum(x, pe * deltas[i]))
-        else:
-            U_new.append(U_c[i])
     return tuple(theta_new), tuple(U_new), o, losses
 
 
@@ -422,9 +429,9 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
     """b = 1: every gradient needs the previous token's weights, so this is a scan over tokens with
     a lean body (hand-written backprop, explicit rank-1 updates, no dual form); G tokens per
     checkpointed step keep T/G weight copies for the backward pass."""
-    bsz, t_len = q.shape[:2]
+    _bsz, t_len = q.shape[:2]
     eta, mu, a = _default_gates(spec, eta, mu, a)
-    group = _OPTS["group"] if t_len >= 8 * _OPTS["group"] else 1
+    group = SCAN_GROUP if t_len >= 16 * SCAN_GROUP else 1
     t_pad = -(-t_len // group) * group
     active = (jnp.arange(t_pad) < t_len)
 
@@ -446,13 +453,14 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
         o_t = _mlp(spec, new_theta, q_t)[0]
         losses = None
         if want_loss:
-            losses = (spec.objective(_mlp(spec, theta, k_t)[0], v_t), spec.objective(_mlp(spec, new_theta, k_t)[0], v_t))
+            losses = (spec.objective(_mlp(spec, theta, k_t)[0], v_t),
+                      spec.objective(_mlp(spec, new_theta, k_t)[0], v_t))
         return (new_theta, new_U), (o_t, losses)
 
     def step(carry, xg):
         outs = []
         for j in range(group):
-            carry, y = token(carry, jax.tree_util.tree_map(lambda z: z[j], xg))
+            carry, y = token(carry, jax.tree_util.tree_map(lambda z, j=j: z[j], xg))
             outs.append(y)
         return carry, jax.tree_util.tree_map(lambda *z: jnp.stack(z), *outs)
 
@@ -475,7 +483,7 @@ def _static_int(x):
 
 
 def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bool, want_start: bool):
-    bsz, t_len, heads = q.shape[:3]
+    bsz, t_len, _heads = q.shape[:3]
     b = spec.minibatch
     use_mu = mu is not None
     if spec.opt.momentum and mu is None:
@@ -485,7 +493,7 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
 
     def n_chunks(n):
         # Mini-batches after the first (resumed) one go G at a time through the scan.
-        g = _OPTS["group"] if n - first >= 8 * _OPTS["group"] else 1
+        g = SCAN_GROUP if n - first >= 16 * SCAN_GROUP else 1
         return first + -(-(n - first) // g) * g, g
 
     # Lay the tokens on a timeline of whole mini-batches; position p of it is token 0.
@@ -533,6 +541,8 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
             start = tuple(jnp.where(live, s_, old) for s_, old in zip(theta_s, start))
         return (theta_new, U_new, start), (o, losses)
 
+    tmap = jax.tree_util.tree_map
+
     def chunk_step(carry, x):
         return body(carry[0], carry, x, True)
 
@@ -541,11 +551,10 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
         # backward pass, which recomputes the G mini-batches from it.
         outs = []
         for j in range(group):
-            carry, y = chunk_step(carry, tmap(lambda z: z[j], xg))
+            carry, y = chunk_step(carry, tmap(lambda z, j=j: z[j], xg))
             outs.append(y)
         return carry, tmap(lambda *z: jnp.stack(z), *outs)
 
-    tmap = jax.tree_util.tree_map
     carry = (state.theta, state.U, state.theta_start)
     outs = []
     if resumable:
@@ -554,14 +563,8 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
         carry, y0 = body(theta_s0, carry, tmap(lambda z: z[0], xs), False)
         outs.append(tmap(lambda z: z[None], y0))
     if n > first:
-        if _OPTS["remat"] == "full":
-            scan_body = jax.checkpoint(scan_step)
-        elif _OPTS["remat"] == "dots":
-            scan_body = jax.checkpoint(scan_step, policy=jax.checkpoint_policies.checkpoint_dots)
-        else:
-            scan_body = scan_step
         rest = tmap(lambda z: z[first:].reshape(((n - first) // group, group) + z.shape[1:]), xs)
-        carry, ys = lax.scan(scan_body, carry, rest)
+        carry, ys = lax.scan(jax.checkpoint(scan_step), carry, rest)
         outs.append(tmap(lambda z: z.reshape((n - first,) + z.shape[2:]), ys))
     o, losses = tmap(lambda *z: jnp.concatenate(z, axis=0), *outs)
 

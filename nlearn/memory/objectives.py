@@ -7,7 +7,7 @@ needs no hand-written gradient; add it to `OBJECTIVES` and a config string selec
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
