@@ -20,7 +20,8 @@ from nlearn.memory.objectives import OBJECTIVES, get_objective, output_grad
 def _nm(q, k, v, lr, w, **kw):
     """neural_memory compiled at LLVM -O0 (these tiny programs compile ~3x faster, same float math)."""
     fn = lambda q, k, v, lr, w: neural_memory(q, k, v, lr=lr, weights0=w, **kw)
-    return jax.jit(fn).lower(q, k, v, lr, w).compile({"xla_backend_optimization_level": 0})(q, k, v, lr, w)
+    fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    return jax.jit(fn).lower(q, k, v, lr, w).compile(fast)(q, k, v, lr, w)
 
 
 def _gate(x):

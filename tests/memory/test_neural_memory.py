@@ -22,7 +22,7 @@ from nlearn.memory.neural_memory import (
 B, T, H, D, HID = 2, 37, 2, 8, 12  # T = 37 divides no mini-batch size used here
 TOL = 3e-4
 # Tests compile many small programs: LLVM -O0 cuts compile time ~3x and leaves the float math alone.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def run_fast(fn, *args):
