@@ -28,7 +28,9 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c.activation = "gelu"  # see nlearn.memory.neural_memory.ACTIVATIONS
     c.momentum = True  # learned momentum gate mu (optimizers with a momentum buffer)
     c.decay = True  # learned forgetting gate alpha
-    c.max_lr = 0.1  # eta = max_lr * sigmoid(x W_eta)
+    # eta = max_lr * sigmoid(x W_eta). The mini-batch sums b gradients, so the step on the inner loss is
+    # ~ max_lr * b * |h|^2; 0.1 with b = 16 diverged (inf) with momentum near 1, 0.01 stays stable.
+    c.max_lr = 0.01
     c.update(overrides)
     return c
 

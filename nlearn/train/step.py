@@ -78,6 +78,7 @@ def make_eval_step(graphdef, *, dtype):
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
         w = batch["weights"].astype(jnp.float32)
+        losses = jnp.where(w > 0, losses, 0.0)  # padding never contributes, even if not finite
         return jnp.sum(losses * w), jnp.sum(w), jnp.sum(hits * w)
 
     return eval_step

@@ -8,6 +8,7 @@ SIGTERM / Ctrl-C save a checkpoint at the current step and exit cleanly.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -142,6 +143,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 compiling = False
             if step % t.log_every == 0 or step == t.steps:
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not math.isfinite(record["loss"]):
+                    ckpt.wait()
+                    raise UserError(f"training loss became {record['loss']} at step {step}; checkpoints "
+                                    f"up to step {max(ckpt.steps(), default=0)} are intact (lower train.lr or "
+                                    "the memory's max_lr and resume)")
                 record = progress.update(step, record)
                 record["step"] = step
                 log(record)
