@@ -1,7 +1,7 @@
 """Benchmark the memory ops: forward and training-step (fwd+bwd) time against their recurrent twins
 and causal softmax attention, with achieved GFLOP/s next to this machine's matmul rate.
 
-    python scripts/bench_ops.py                       # T = 1k, 4k, 16k, every op (~10 min on 2 cores)
+    python scripts/bench_ops.py                       # T = 1k, 4k, 16k, every op
     python scripts/bench_ops.py --quick               # T = 1k, fewer repetitions
     python scripts/bench_ops.py --ops=delta_rule --lengths=4096,8192 --acceptance
 
@@ -17,6 +17,8 @@ token (Dk = Dv = D, C = chunk size, b = TTT mini-batch); fwd+bwd counts 3x forwa
   ttt_linear         6·D² + 4·b·D                    ([K;Q] W, Kᵀ G, Q Kᵀ, attn G)
   ttt_mlp            56·D² + 20·b·D                  (F = 4D: [K;Q] W1, X W2 x2, G2 W2ᵀ, both updates, 4 tril products)
   softmax attention  2·T·D per token on average      (causal half of Q Kᵀ and P V)
+  neural_memory      Σ_layers (10·i·o + 2·b·(i+o)) + Σ_{layers>1} 2·i·o   (i→o per layer, F = 4D hidden:
+                     keys, reads of W and U, both updates, 2 tril products; backprop of the errors)
 
 To add an op (e.g. `neural_memory`), append a `Case` to `CASES`.
 """
@@ -39,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
 from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear, ttt_mlp  # noqa: E402
+from nlearn.memory.neural_memory import neural_memory  # noqa: E402
 
 
 @dataclass
@@ -117,6 +120,31 @@ CASES: list[Case] = [
         lambda t, h, d: h * t * (56 * d * d + 20 * TTT_MB * d),
     ),
 ]
+
+
+def _neural_memory_case(depth: int, mb: int) -> Case:
+    """Titans LMM: momentum and decay gates, l2 objective, gelu, hidden width 4·D (depth >= 2)."""
+
+    def make(rng, b, t, h, d):
+        dims = [d] + [4 * d] * (depth - 1) + [d]
+        ws = [jnp.asarray(rng.normal(size=(h, i, o)) / np.sqrt(i), jnp.float32) for i, o in zip(dims[:-1], dims[1:])]
+        return (*_qkv(rng, b, t, h, d), _gates(rng, b, t, h, 0.0, 0.1), _gates(rng, b, t, h, 0.5, 0.9),
+                _gates(rng, b, t, h, 0.0, 0.05), *ws)
+
+    def call(q, k, v, lr, mu, alpha, *ws, impl=None):
+        return neural_memory(q, k, v, lr=lr, momentum=mu, decay=alpha, weights0=tuple(ws), minibatch=mb,
+                             **({"impl": impl} if impl else {}))[0]
+
+    def flops(t, h, d):
+        dims = [d] + [4 * d] * (depth - 1) + [d]
+        pairs = list(zip(dims[:-1], dims[1:]))
+        per_token = sum(10 * i * o + 2 * mb * (i + o) for i, o in pairs) + sum(2 * i * o for i, o in pairs[1:])
+        return h * t * per_token
+
+    return Case(f"neural_memory_L{depth}_b{mb}", make, call, flops)
+
+
+CASES += [_neural_memory_case(depth, mb) for depth in (1, 2, 3) for mb in (1, 16, 64)]
 
 
 def softmax_attention(q, k, v):
@@ -235,10 +263,12 @@ def main(argv=None):
     p.add_argument("--ops", default="", help="comma list of case names (default: all)")
     p.add_argument("--quick", action="store_true", help="T=1024 only, 3 repetitions")
     p.add_argument("--acceptance", action="store_true", help="also run the acceptance checks")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--max_seconds", type=float, default=20.0, help="timing budget per program")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--max_seconds", type=float, default=10.0, help="timing budget per program")
     p.add_argument("--recurrent_max_len", type=int, default=4096)
-    p.add_argument("--softmax_max_len", type=int, default=16384)
+    p.add_argument("--softmax_max_len", type=int, default=8192,
+                   help="dense causal attention materializes [B,H,T,T] scores: at T=16k that is 4 GB "
+                        "per f32 tensor and its fwd+bwd does not fit this machine's 23 GB")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)

@@ -47,7 +47,8 @@ Two implementations with the same semantics:
 - impl="chunked", b = 1: with a deep memory each token's gradient needs the previous token's
   weights, so a scan over tokens is inherent (grouping tokens into a dual-form chunk would change
   the schedule). The body is the lean per-token update: hand-written backprop, rank-1 updates, no
-  coefficient matrices, `SCAN_GROUP` tokens per checkpointed step. It runs any `InnerOptimizer`.
+  coefficient matrices; √T-token groups are rematerialised, so the backward pass holds ~2√T weight
+  copies. It runs any `InnerOptimizer`.
 
 Streaming: `initial_state=(θ, U)` starts a new mini-batch, so a stream split on mini-batch
 boundaries is exact. Splits anywhere (and the decode step) use `NeuralMemoryState`, which also
@@ -141,6 +142,9 @@ def init_state(weights0, batch: int) -> NeuralMemoryState:
     theta = tuple(jnp.broadcast_to(w, (batch,) + w.shape[-3:]) for w in weights0)
     zeros = tuple(jnp.zeros_like(w) for w in theta)
     return NeuralMemoryState(theta, zeros, theta, jnp.zeros((), jnp.int32))
+
+
+neural_memory_init_state = init_state  # the name the package exports (like ttt_linear_init_state)
 
 
 def _as_stream_state(initial_state, batch: int) -> tuple[NeuralMemoryState, bool]:
@@ -427,13 +431,13 @@ def _key_side(spec: _Spec, theta, k, v, z1=None):
 
 def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_loss: bool):
     """b = 1: every gradient needs the previous token's weights, so this is a scan over tokens with
-    a lean body (hand-written backprop, explicit rank-1 updates, no dual form); G tokens per
-    checkpointed step keep T/G weight copies for the backward pass."""
-    _bsz, t_len = q.shape[:2]
+    a lean body (hand-written backprop, explicit rank-1 updates, no dual form). The backward pass
+    holds about 2√T weight copies (√T-token groups, each rematerialised), not one per token."""
+    t_len = q.shape[1]
     eta, mu, a = _default_gates(spec, eta, mu, a)
-    group = SCAN_GROUP if t_len >= 16 * SCAN_GROUP else 1
+    group = max(1, round(t_len**0.5))
     t_pad = -(-t_len // group) * group
-    active = (jnp.arange(t_pad) < t_len)
+    active = jnp.arange(t_pad) < t_len
 
     def prep(x):
         x = jnp.moveaxis(x, 1, 0)  # time first
@@ -458,12 +462,10 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
         return (new_theta, new_U), (o_t, losses)
 
     def step(carry, xg):
-        outs = []
-        for j in range(group):
-            carry, y = token(carry, jax.tree_util.tree_map(lambda z, j=j: z[j], xg))
-            outs.append(y)
-        return carry, jax.tree_util.tree_map(lambda *z: jnp.stack(z), *outs)
+        return lax.scan(token, carry, xg)
 
+    # Two-level checkpointing: the outer scan keeps one state per group of ~√T tokens; the backward
+    # pass reruns a group's inner scan, which keeps one state per token of that group only.
     (theta, U), (o, losses) = lax.scan(jax.checkpoint(step), (state.theta, state.U), xs)
 
     def untime(y):
