@@ -30,15 +30,22 @@ class Timing:
 def time_fn(fn: Callable, *args, n: int = 5, warmup: int = 1, max_seconds: float | None = None) -> Timing:
     """Time `fn(*args)` (a jitted function) with `block_until_ready`.
 
-    `warmup` calls first (the first one compiles; its time is `compile_s`), then up to `n` timed
-    calls; with `max_seconds`, stops early once that much time was spent timing (at least one
-    timed call always runs).
+    A jitted `fn` is compiled ahead of time (`compile_s`); then `warmup` untimed calls and up to
+    `n` timed ones. With `max_seconds`, a warm-up call that alone takes that long counts as the
+    only sample, and timing stops once `max_seconds` were spent (at least one timed call).
     """
     t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):
-        jax.block_until_ready(fn(*args))
+    if hasattr(fn, "lower"):
+        fn = fn.lower(*args).compile()
     compile_s = time.perf_counter() - t0
     walls, cpus = [], []
+    for _ in range(warmup):
+        c0, w0 = time.process_time(), time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        if max_seconds is not None and time.perf_counter() - w0 >= max_seconds:
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.process_time() - c0)
+            return Timing(walls[0], walls[0], cpus[0], compile_s, walls)
     spent = 0.0
     for _ in range(max(1, n)):
         c0, w0 = time.process_time(), time.perf_counter()

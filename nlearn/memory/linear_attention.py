@@ -1,9 +1,13 @@
 """Linear attention (Katharopoulos et al. 2020) as an additive fast-weight memory.
 
 Per batch and head, with row vectors: `S_t = S_{t-1} + k_tᵀ v_t` and `o_t = q_t S_t`, or, when
-normalized, `o_t = q_t S_t / (q_t · c_t)` with `c_t = c_{t-1} + k_t` (seed 000 §2.4). The
-chunked form needs no scan at all: chunk states are an exclusive cumulative sum of per-chunk
-`Kᵀ V`, and the within-chunk part is a causal `tril(Q Kᵀ) V`.
+normalized, `o_t = q_t S_t / (q_t · c_t)` with `c_t = c_{t-1} + k_t` (seed 000 §2.4).
+
+Chunked forms (chunk of C tokens entering with state S): `o = Q S + tril(Q Kᵀ) V`,
+`S' = S + Kᵀ V`. "chunked_scan" runs a `lax.scan` over chunks, rematerialized per chunk (the CPU
+default); "chunked_parallel" gets every chunk's entering state from an exclusive cumulative sum of
+the per-chunk `Kᵀ V` and does all chunks at once (the GPU/TPU default). Neither keeps a state per
+token.
 """
 
 from __future__ import annotations
