@@ -6,6 +6,10 @@ import ml_collections
 
 from nlearn.errors import UserError
 
+# `tiny` presets fit `make train` (setup + training + eval) in 15 minutes on 2 CPU cores.
+TINY_TRAIN = dict(steps=150, warmup_steps=15)
+TINY_EVAL_TOKENS = 65536
+
 # Paper-scale presets train with the paper's tokenizer size and context.
 PAPER_SCALE = dict(vocab_size=32000, seq_len=2048, batch_size=256, lr=3e-4, warmup_steps=1000,
                    steps=50000)
@@ -18,7 +22,10 @@ def apply_preset(config: ml_collections.ConfigDict, presets: dict, preset: str,
         raise UserError(f"unknown preset {preset!r}; valid presets: {', '.join(presets)}")
     for key, value in presets[preset].items():
         config.model[key] = value
-    if preset != "tiny":
+    if preset == "tiny":
+        config.train.update(TINY_TRAIN)
+        config.data.eval_tokens = TINY_EVAL_TOKENS
+    else:
         config.data.vocab_size = PAPER_SCALE["vocab_size"]
         for key in ("seq_len", "batch_size", "lr", "warmup_steps", "steps"):
             config.train[key] = PAPER_SCALE[key]
