@@ -85,6 +85,12 @@ def _read(x, z, scale, bias):
     return x + scale * zh + bias
 
 
+def _row_sum(x):
+    """Sum over the last axis, keepdims, as a matrix-vector product (on CPU a dot with a ones
+    vector is cheaper than a small reduction)."""
+    return jnp.einsum("...d,de->...e", x, jnp.ones((x.shape[-1], 1), x.dtype), precision=HIGHEST)
+
+
 def _mb_forward(w, b, x, scale, bias, precision):
     """Dual form of one mini-batch for all `[B,H]` from its start state `(w, b)`.
 
@@ -98,17 +104,17 @@ def _mb_forward(w, b, x, scale, bias, precision):
     ein = partial(jnp.einsum, precision=precision)
     z = ein("bhcd,bhde->bhce", jnp.concatenate([k, q], axis=-2), w) + b[..., None, :]
     zk = z[..., :n, :]
-    zc = zk - jnp.mean(zk, axis=-1, keepdims=True)
-    r = jax.lax.rsqrt(jnp.mean(zc * zc, axis=-1, keepdims=True) + LN_EPS)
+    zc = zk - _row_sum(zk) / d
+    r = jax.lax.rsqrt(_row_sum(zc * zc) / d + LN_EPS)
     xh = zc * r
     gam = (k + scale * xh + bias - v) * scale
-    a, c = jnp.split(jnp.sum(jnp.stack([gam, gam * xh]), axis=-1, keepdims=True) / d, 2)
-    g = r * (gam - a[0] - xh * c[0])
+    a, c = _row_sum(gam) / d, _row_sum(gam * xh) / d
+    g = r * (gam - a - xh * c)
     attn = _attn(q, k, eta, precision)
     zbar = z[..., n:, :] - ein("bhij,bhjd->bhid", attn, g)
     w = w - ein("bhjd,bhje->bhde", k * eta[..., None], g)
     b = b - ein("bhj,bhjd->bhd", eta, g)  # a dot: cheaper on CPU than a reduce over C
-    return w, b, zbar, g, xh, r, c[0]
+    return w, b, zbar, g, xh, r, c
 
 
 def _attn(q, k, eta, precision):
@@ -127,12 +133,12 @@ def _inner_grad_bwd(dg, g, xh, r, c, k, v, scale, bias):
     d = xh.shape[-1]
     e = k + scale * xh + bias - v
     gam = e * scale
-    r1, r2, r3 = jnp.sum(jnp.stack([dg, dg * xh, dg * g]), axis=-1, keepdims=True)
+    r1, r2, r3 = _row_sum(dg), _row_sum(dg * xh), _row_sum(dg * g)
     a_bar, c_bar = -r * r1, -r * r2
     gam_bar = r * dg + (a_bar + c_bar * xh) / d
     e_bar = scale * gam_bar
     xh_bar = -r * c * dg + c_bar * gam / d + scale * e_bar
-    r4, r6 = jnp.sum(jnp.stack([xh_bar * xh, xh_bar]), axis=-1, keepdims=True)
+    r4, r6 = _row_sum(xh_bar * xh), _row_sum(xh_bar)
     r_bar = (r3 + r4) / r
     dz = r * xh_bar - (r * r * r_bar * xh + r * r6) / d  # Σ x̂ = 0
     return dz, e_bar, -e_bar, e * gam_bar + xh * e_bar, e_bar
