@@ -478,6 +478,12 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
     return o, NeuralMemoryState(theta, U, theta, jnp.zeros((), jnp.int32)), losses
 
 
+def _check_pos(pos, minibatch: int) -> None:
+    p = _static_int(pos)
+    if p is not None and not 0 <= p < minibatch:
+        raise ValueError(f"stream state position {p} is outside a mini-batch of {minibatch} tokens")
+
+
 def _static_int(x):
     if isinstance(x, jax.core.Tracer):
         return None
@@ -627,9 +633,13 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
     else:
         state, resumable = _as_stream_state(initial_state, bsz)
         _check_weights(state.theta, dk, dv, spec.residual, bsz)
+    _check_pos(state.pos, spec.minibatch)
     if resumable and _static_int(state.pos) == 0:
         resumable = False
-    dt = q.dtype
+    # The memory learns in (at least) float32 whatever the activations' dtype; o comes back in q's.
+    out_dtype, dt = q.dtype, jnp.promote_types(q.dtype, jnp.float32)
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    state = jax.tree_util.tree_map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
     eta = lr.astype(dt)
     mu = None if momentum is None else momentum.astype(dt)
     a = None if decay is None else (1.0 - decay).astype(dt)
@@ -644,6 +654,7 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
     else:
         o, state, losses = _chunked(spec, state, q, k, v, eta, mu, a, resumable=resumable,
                                     want_loss=return_inner_loss, want_start=return_stream_state)
+    o = o.astype(out_dtype)
     out_state = state if return_stream_state else (state.theta, state.U)
     if return_inner_loss:
         return o, out_state, losses
@@ -659,12 +670,16 @@ def neural_memory_step(q, k, v, *, lr, momentum=None, decay=None, state: NeuralM
     spec = _make_spec(activation, residual, objective, optimizer, minibatch)
     if momentum is not None and not spec.opt.momentum:
         raise ValueError(f"optimizer {spec.opt.name!r} takes no momentum gate")
-    dt = q.dtype
+    _check_pos(state.pos, spec.minibatch)
+    out_dtype, dt = q.dtype, jnp.promote_types(q.dtype, jnp.float32)
+    q, k, v = (x.astype(dt) for x in (q, k, v))
     eta, mu, a = _default_gates(spec, lr.astype(dt), None if momentum is None else momentum.astype(dt),
                                 None if decay is None else (1.0 - decay).astype(dt))
-    st = NeuralMemoryState(tuple(state.theta), tuple(state.U), tuple(state.theta_start),
+    cast = lambda ws: tuple(w.astype(dt) for w in ws)  # noqa: E731
+    st = NeuralMemoryState(cast(state.theta), cast(state.U), cast(state.theta_start),
                            jnp.asarray(state.pos, jnp.int32))
     o, st, losses = _token_step(spec, st, q, k, v, eta, mu, a, return_inner_loss)
+    o = o.astype(out_dtype)
     if return_inner_loss:
         return o, st, losses
     return o, st

@@ -526,6 +526,26 @@ def test_bad_arguments():
         neural_memory(q, k, v, lr=lr, weights0=w, minibatch=0)
 
 
+def test_bfloat16_activations_learn_in_float32():
+    q, k, v, lr, mu, alpha, w = make_inputs(seed=31, depth=2, t_len=12)
+
+    def both(q, k, v, lr, mu, alpha, w):
+        half = neural_memory(*(x.astype(jnp.bfloat16) for x in (q, k, v)), lr=lr, momentum=mu, decay=alpha,
+                             weights0=w, minibatch=4)
+        return half, neural_memory(q, k, v, lr=lr, momentum=mu, decay=alpha, weights0=w, minibatch=4)
+
+    (o16, (th16, _)), (o32, _) = run_fast(both, q, k, v, lr, mu, alpha, w)
+    assert o16.dtype == jnp.bfloat16 and th16[0].dtype == jnp.float32
+    assert rel_err(np.asarray(o16, np.float32), o32) < 3e-2
+
+
+def test_stream_position_must_fit_the_minibatch():
+    q, k, v, lr, _, _, w = make_inputs(depth=1, t_len=3)
+    st = init_state(w, B)._replace(pos=jnp.int32(5))
+    with pytest.raises(ValueError, match="position 5"):
+        neural_memory(q, k, v, lr=lr, initial_state=st, minibatch=4)
+
+
 def test_backward_memory_has_no_per_token_weight_copies():
     """Compiled fwd+bwd temp memory stays far below one weight copy per token (T·|θ|) and barely grows
     with the mini-batch size."""
