@@ -57,7 +57,7 @@ def linear_optimizer(name: str, *, momentum: bool, precondition: bool) -> InnerO
             w_new = a * w + d
             if precondition:
                 xw = jnp.einsum("bhi,bhio->bho", x, w)
-                w_new = w_new - eta * (x[..., :, None] * xw[..., None, :])
+                w_new = w_new - eta * jnp.einsum("bhi,bho->bhio", x, xw)
             new.append(w_new)
         return tuple(new), U
 

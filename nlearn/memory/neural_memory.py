@@ -34,7 +34,7 @@ not, so deep DGD memories need a small η.
 
 Two implementations with the same semantics:
 - impl="recurrent": per-token `jax.grad` of the inner loss inside `lax.scan`; any inner model or
-  optimizer step; one θ copy per token is kept for the backward pass.
+  optimizer step; √T-token groups are rematerialised (~2√T states kept for the backward pass).
 - impl="chunked" (default), b > 1: one scan step per mini-batch, `SCAN_GROUP` mini-batches per
   rematerialised (`jax.checkpoint`) step, so backward memory is O(T·d + (T/(b·G))·|θ|). Within a
   mini-batch every layer's gradient is a sum of outer products x_jᵀ δ_j of its inputs and
@@ -223,6 +223,31 @@ def _default_gates(spec: _Spec, eta, mu, a):
     return eta, mu, a
 
 
+def _sqrt_scan(step, carry, seqs):
+    """`lax.scan(step, carry, seqs)` over time-major `seqs` with two-level checkpointing: groups of
+    ~√T tokens are rematerialised, so the backward pass holds ~2√T carries instead of T.
+    Padding tokens (up to a whole number of groups) leave the carry unchanged."""
+    t_len = seqs[0].shape[0]
+    group = max(1, round(t_len**0.5))
+    t_pad = -(-t_len // group) * group
+
+    def prep(x):
+        x = jnp.pad(x, [(0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape((t_pad // group, group) + x.shape[1:])
+
+    def masked(c, x):
+        *x, live = x
+        new, y = step(c, tuple(x))
+        return jax.tree_util.tree_map(lambda n, o: jnp.where(live, n, o), new, c), y
+
+    inner = step if t_pad == t_len else masked
+    xs = tuple(prep(x) for x in seqs)
+    if t_pad != t_len:
+        xs = xs + (prep(jnp.arange(t_len) >= 0),)
+    carry, ys = lax.scan(jax.checkpoint(lambda c, xg: lax.scan(inner, c, xg)), carry, xs)
+    return carry, jax.tree_util.tree_map(lambda y: y.reshape((t_pad,) + y.shape[2:])[:t_len], ys)
+
+
 def _recurrent(spec, state, q, k, v, eta, mu, a, want_loss):
     eta, mu, a = _default_gates(spec, eta, mu, a)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, eta, mu, a))
@@ -231,7 +256,7 @@ def _recurrent(spec, state, q, k, v, eta, mu, a, want_loss):
         o, st, losses = _token_step(spec, st, *x, want_loss)
         return st, (o, losses)
 
-    state, (o, losses) = lax.scan(body, state, xs)
+    state, (o, losses) = _sqrt_scan(body, state, xs)
     o = jnp.moveaxis(o, 0, 1)
     if want_loss:
         losses = tuple(jnp.moveaxis(l, 0, 1) for l in losses)
@@ -433,27 +458,16 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
     """b = 1: every gradient needs the previous token's weights, so this is a scan over tokens with
     a lean body (hand-written backprop, explicit rank-1 updates, no dual form). The backward pass
     holds about 2√T weight copies (√T-token groups, each rematerialised), not one per token."""
-    t_len = q.shape[1]
     eta, mu, a = _default_gates(spec, eta, mu, a)
-    group = max(1, round(t_len**0.5))
-    t_pad = -(-t_len // group) * group
-    active = jnp.arange(t_pad) < t_len
-
-    def prep(x):
-        x = jnp.moveaxis(x, 1, 0)  # time first
-        x = jnp.pad(x, [(0, t_pad - t_len)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape((t_pad // group, group) + x.shape[1:])
-
-    xs = tuple(prep(x) for x in (q, k, v, eta, mu, a)) + (active.reshape(t_pad // group, group),)
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, eta, mu, a))
 
     def token(carry, x):
         theta, U = carry
-        q_t, k_t, v_t, eta_t, mu_t, a_t, live = x
+        q_t, k_t, v_t, eta_t, mu_t, a_t = x
         inputs, _, deltas = _key_side(spec, theta, k_t, v_t)
-        grads = tuple(x_[..., :, None] * d_[..., None, :] for x_, d_ in zip(inputs, deltas))
+        # Outer products as dots (their backward is then a matvec, not a slow small reduction).
+        grads = tuple(jnp.einsum("bhi,bho->bhio", x_, d_) for x_, d_ in zip(inputs, deltas))
         new_theta, new_U = spec.opt.step(theta, U, grads, inputs, _gate4(eta_t), _gate4(mu_t), _gate4(a_t))
-        new_theta = tuple(jnp.where(live, n_, o_) for n_, o_ in zip(new_theta, theta))
-        new_U = tuple(jnp.where(live, n_, o_) for n_, o_ in zip(new_U, U))
         o_t = _mlp(spec, new_theta, q_t)[0]
         losses = None
         if want_loss:
@@ -461,20 +475,10 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
                       spec.objective(_mlp(spec, new_theta, k_t)[0], v_t))
         return (new_theta, new_U), (o_t, losses)
 
-    def step(carry, xg):
-        return lax.scan(token, carry, xg)
-
-    # Two-level checkpointing: the outer scan keeps one state per group of ~√T tokens; the backward
-    # pass reruns a group's inner scan, which keeps one state per token of that group only.
-    (theta, U), (o, losses) = lax.scan(jax.checkpoint(step), (state.theta, state.U), xs)
-
-    def untime(y):
-        y = y.reshape((t_pad,) + y.shape[2:])[:t_len]
-        return jnp.moveaxis(y, 0, 1)
-
-    o = untime(o)
+    (theta, U), (o, losses) = _sqrt_scan(token, (state.theta, state.U), xs)
+    o = jnp.moveaxis(o, 0, 1)
     if want_loss:
-        losses = tuple(untime(l_) for l_ in losses)
+        losses = tuple(jnp.moveaxis(l_, 0, 1) for l_ in losses)
     return o, NeuralMemoryState(theta, U, theta, jnp.zeros((), jnp.int32)), losses
 
 
