@@ -382,6 +382,27 @@ def test_stream_state_with_traced_position():
     np.testing.assert_allclose(run_fast(both, st), o[:, 11:], rtol=0, atol=1e-5)
 
 
+def test_stream_state_with_known_position():
+    """Resuming with a concrete position (static front padding instead of a dynamic placement)."""
+    q, k, v, lr, mu, alpha, w = make_inputs(seed=16, depth=1, t_len=20)
+    kw = {"minibatch": 8}
+
+    def prefix(q, k, v, lr, mu, alpha, w):
+        full = neural_memory(q, k, v, weights0=w, **_gates(lr, mu, alpha), **kw)
+        _, st = neural_memory(q[:, :5], k[:, :5], v[:, :5], weights0=w, return_stream_state=True,
+                              **_gates(lr, mu, alpha, slice(0, 5)), **kw)
+        return full, st
+
+    (o, (theta, _)), st = run_fast(prefix, q, k, v, lr, mu, alpha, w)
+    assert int(st.pos) == 5
+    # `st` is closed over, so its position is a constant when the second call is traced.
+    o2, (theta2, _) = run_fast(lambda q, k, v, lr, mu, alpha: neural_memory(
+        q[:, 5:], k[:, 5:], v[:, 5:], initial_state=st, **_gates(lr, mu, alpha, slice(5, None)), **kw),
+        q, k, v, lr, mu, alpha)
+    np.testing.assert_allclose(o2, o[:, 5:], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(theta2[0], theta[0], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("optimizer", ["momentum", "dgd"])
 def test_decode_steps_equal_full_sequence(optimizer):
     t_len = 13
