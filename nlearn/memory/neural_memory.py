@@ -450,7 +450,8 @@ def _key_side(spec: _Spec, theta, k, v, z1=None):
     for i in reversed(range(nl)):
         deltas[i] = delta
         if i > 0:
-            delta = _apply(delta, _swap(theta[i])) * dacts[i - 1]
+            delta = jnp.einsum("...o,...io->...i" if delta.ndim == theta[i].ndim - 1 else "...co,...io->...ci",
+                               delta, theta[i]) * dacts[i - 1]
     return inputs, zs, deltas
 
 
