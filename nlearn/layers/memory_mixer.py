@@ -215,7 +215,27 @@ class NeuralMemoryMixer(MemoryMixer):
                              return_stream_state=True, **self.options)
 
 
-class TTTLinearMixer(MemoryMixer):
+class TTTMixer(MemoryMixer):
+    """Shared by the TTT mixers: the inner LayerNorm's affine and the per-token inner rate
+    `eta = base_lr * sigmoid(x W_eta) / head_dim` (the TTT paper's choice)."""
+
+    def _init_ttt(self, cfg, rngs: nnx.Rngs):
+        """Create the shared parameters (after the subclass's initial weights, keeping RNG order)."""
+        h, d = self.num_heads, self.head_dim
+        self.minibatch, self.base_lr = cfg.memory.minibatch, cfg.memory.base_lr
+        self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
+        self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
+        self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
+
+    def gates(self, x_BTD):
+        eta = jax.nn.sigmoid(self.lr_gate(x_BTD).astype(jnp.float32))
+        return (self.base_lr * eta / self.head_dim,)
+
+    def _ln(self):
+        return dict(ln_scale=self.ln_scale[...], ln_bias=self.ln_bias[...], minibatch=self.minibatch)
+
+
+class TTTLinearMixer(TTTMixer):
     """TTT-Linear (Sun et al. 2024): inner model `f(x) = x + LN(x W + b)` trained by mini-batch GD.
 
     The learned `W0, b0` and the inner LayerNorm's affine are outer-loop parameters; the per-token
@@ -225,23 +245,16 @@ class TTTLinearMixer(MemoryMixer):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         h, d = self.num_heads, self.head_dim
-        self.minibatch, self.base_lr = cfg.memory.minibatch, cfg.memory.base_lr
         self.w0 = param(rngs, (h, d, d), ("heads", None, None), std=cfg.init_std)
         self.b0 = param(rngs, (h, d), ("heads", None), init="zeros")
-        self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
-        self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
-        self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
-
-    def gates(self, x_BTD):
-        eta = jax.nn.sigmoid(self.lr_gate(x_BTD).astype(jnp.float32))
-        return (self.base_lr * eta / self.head_dim,)
+        self._init_ttt(cfg, rngs)
 
     def initial_state(self, batch):
         return ttt_linear_init_state(self.w0[...], self.b0[...], batch)
 
     def memory(self, q, k, v, gates, state):
         (eta,) = gates
-        ln = dict(ln_scale=self.ln_scale[...], ln_bias=self.ln_bias[...], minibatch=self.minibatch)
+        ln = self._ln()
         if state is None:
             return ttt_linear(q, k, v, eta, W0=self.w0[...], b0=self.b0[...], **ln)
         if q.shape[1] == 1:
@@ -250,7 +263,7 @@ class TTTLinearMixer(MemoryMixer):
         return ttt_linear(q, k, v, eta, initial_state=state, **ln)
 
 
-class TTTMLPMixer(MemoryMixer):
+class TTTMLPMixer(TTTMixer):
     """TTT-MLP (Sun et al. 2024): inner model `f(x) = x + LN(gelu(x W1 + b1) W2 + b2)`, hidden width
     `expansion * head_dim`, trained by mini-batch GD.
 
@@ -264,18 +277,11 @@ class TTTMLPMixer(MemoryMixer):
         h, d = self.num_heads, self.head_dim
         mem = cfg.memory
         f = mem.expansion * d
-        self.minibatch, self.base_lr = mem.minibatch, mem.base_lr
         self.w1_0 = param(rngs, (h, d, f), ("heads", None, None), std=cfg.init_std)
         self.b1_0 = param(rngs, (h, f), ("heads", None), init="zeros")
         self.w2_0 = param(rngs, (h, f, d), ("heads", None, None), std=cfg.init_std)
         self.b2_0 = param(rngs, (h, d), ("heads", None), init="zeros")
-        self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
-        self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
-        self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
-
-    def gates(self, x_BTD):
-        eta = jax.nn.sigmoid(self.lr_gate(x_BTD).astype(jnp.float32))
-        return (self.base_lr * eta / self.head_dim,)
+        self._init_ttt(cfg, rngs)
 
     def _init_weights(self):
         return dict(W1_0=self.w1_0[...], b1_0=self.b1_0[...], W2_0=self.w2_0[...], b2_0=self.b2_0[...])
@@ -285,7 +291,7 @@ class TTTMLPMixer(MemoryMixer):
 
     def memory(self, q, k, v, gates, state):
         (eta,) = gates
-        ln = dict(ln_scale=self.ln_scale[...], ln_bias=self.ln_bias[...], minibatch=self.minibatch)
+        ln = self._ln()
         if state is None:
             return ttt_mlp(q, k, v, eta, **self._init_weights(), **ln)
         if q.shape[1] == 1:
