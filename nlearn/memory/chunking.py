@@ -83,3 +83,18 @@ def from_chunks_first(x, length: int):
     rest = x.shape[4:]
     x = jnp.moveaxis(x, (0, 2), (1, 3)).reshape(b, n * c, h, *rest)
     return x[:, :length]
+
+
+def check_step(q_t, k_t, v_t, gates=()):
+    """Shapes of one decode step: q_t, k_t `[B, H, Dk]`, v_t `[B, H, Dv]`, each `(name, gate)` `[B, H]`."""
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have shape [B, H, D], got shape {tuple(x.shape)}")
+    if q_t.shape != k_t.shape or v_t.shape[:2] != k_t.shape[:2]:
+        raise ValueError(
+            f"q_t, k_t must match and v_t share [B, H], got q_t {tuple(q_t.shape)}, "
+            f"k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)}"
+        )
+    for name, x in gates:
+        if tuple(x.shape) != tuple(k_t.shape[:2]):
+            raise ValueError(f"{name} must have shape [B, H] = {tuple(k_t.shape[:2])}, got shape {tuple(x.shape)}")

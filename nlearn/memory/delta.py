@@ -25,7 +25,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from nlearn.memory.chunking import check_gate, check_positive, check_qkv, from_chunks_first, to_chunks_first
+from nlearn.memory.chunking import check_gate, check_positive, check_qkv, check_step, from_chunks_first, to_chunks_first
 from nlearn.memory.linear_attention import HIGHEST, check_impl, check_state_shape, resolve_chunked
 
 
@@ -312,23 +312,9 @@ def gated_delta_rule(
     return _run(q, k, v, beta, log_decay, initial_state, impl, chunk_size, precision)
 
 
-def _check_step(q_t, k_t, v_t, gates):
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have shape [B, H, D], got shape {tuple(x.shape)}")
-    if q_t.shape != k_t.shape or v_t.shape[:2] != k_t.shape[:2]:
-        raise ValueError(
-            f"q_t, k_t must match and v_t share [B, H], got q_t {tuple(q_t.shape)}, "
-            f"k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)}"
-        )
-    for name, x in gates:
-        if tuple(x.shape) != tuple(k_t.shape[:2]):
-            raise ValueError(f"{name} must have shape [B, H] = {tuple(k_t.shape[:2])}, got shape {tuple(x.shape)}")
-
-
 def delta_rule_step(q_t, k_t, v_t, beta_t, state=None):
     """One decode step of `delta_rule`: `[B,H,D]` rows, `beta_t [B,H]` -> `(o_t [B,H,Dv], S)`."""
-    _check_step(q_t, k_t, v_t, (("beta_t", beta_t),))
+    check_step(q_t, k_t, v_t, (("beta_t", beta_t),))
     b, h, dk = k_t.shape
     s = _initial_state(state, b, h, dk, v_t.shape[-1])
     f32 = [x.astype(jnp.float32) for x in (q_t, k_t, v_t, beta_t)]
@@ -338,7 +324,7 @@ def delta_rule_step(q_t, k_t, v_t, beta_t, state=None):
 
 def gated_delta_rule_step(q_t, k_t, v_t, beta_t, log_decay_t, state=None):
     """One decode step of `gated_delta_rule` -> `(o_t [B,H,Dv], S)`."""
-    _check_step(q_t, k_t, v_t, (("beta_t", beta_t), ("log_decay_t", log_decay_t)))
+    check_step(q_t, k_t, v_t, (("beta_t", beta_t), ("log_decay_t", log_decay_t)))
     b, h, dk = k_t.shape
     s = _initial_state(state, b, h, dk, v_t.shape[-1])
     f32 = [x.astype(jnp.float32) for x in (q_t, k_t, v_t, beta_t, log_decay_t)]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from nlearn.memory.chunking import (
     check_positive,
     check_qkv,
+    check_step,
     from_chunks,
     from_chunks_first,
     pad_time,
@@ -202,14 +203,7 @@ def linear_attention(
 
 def linear_attention_step(q_t, k_t, v_t, state=None, *, normalize: bool = False):
     """One decode step: `q_t, k_t [B,H,Dk]`, `v_t [B,H,Dv]` -> `(o_t [B,H,Dv], state)`."""
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have shape [B, H, D], got shape {tuple(x.shape)}")
-    if q_t.shape != k_t.shape or v_t.shape[:2] != k_t.shape[:2]:
-        raise ValueError(
-            f"q_t, k_t must match and v_t share [B, H], got q_t {tuple(q_t.shape)}, "
-            f"k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)}"
-        )
+    check_step(q_t, k_t, v_t)
     b, h, dk = k_t.shape
     s, c = _initial(state, normalize, b, h, dk, v_t.shape[-1])
     dtype = q_t.dtype

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 
 from nlearn.memory.chunking import check_gate, check_positive, check_qkv, from_chunks_first, pad_time, to_chunks_first
 from nlearn.memory.linear_attention import HIGHEST, check_impl, check_state_shape
+from nlearn.memory.ttt import _inner_grad, _read  # the same LayerNorm + residual inner model
 
-LN_EPS = 1e-6
 TTT_MLP_IMPLS = ("dual", "recurrent")
 _GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -78,27 +78,6 @@ def gelu_grad(x):
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x)
 
 
-def _ln_parts(z):
-    """LayerNorm over the last axis without affine: `(ẑ, 1/σ)`."""
-    mu = jnp.mean(z, axis=-1, keepdims=True)
-    zc = z - mu
-    rstd = jax.lax.rsqrt(jnp.mean(zc * zc, axis=-1, keepdims=True) + LN_EPS)
-    return zc * rstd, rstd
-
-
-def _ln_grad(z, k, v, scale, bias):
-    """`G2 = ∇_Z ½‖k + LN(Z) − v‖²` per row: the LayerNorm backward of the residual error."""
-    zh, rstd = _ln_parts(z)
-    gzh = (k + scale * zh + bias - v) * scale
-    return rstd * (gzh - jnp.mean(gzh, axis=-1, keepdims=True) - zh * jnp.mean(gzh * zh, axis=-1, keepdims=True))
-
-
-def _read(x, z, scale, bias):
-    """`x + LN(z)` with the per-head affine."""
-    zh, _ = _ln_parts(z)
-    return x + scale * zh + bias
-
-
 def _f(x, w: TTTMLPWeights, scale, bias):
     """The inner model on rows `x [B,H,D]` with weights `[B,H,...]`; scale, bias `[H,D]`."""
     z1 = jnp.einsum("bhd,bhdf->bhf", x, w.W1, precision=HIGHEST) + w.b1
@@ -127,7 +106,7 @@ def _mb_dual(wg: TTTMLPWeights, wr: TTTMLPWeights, x, scale, bias, precision):
         z1k = ein("bhcd,bhdf->bhcf", k, wg.W1) + wg.b1[..., None, :]
         z1q = ein("bhcd,bhdf->bhcf", q, wr.W1) + wr.b1[..., None, :]
     x2k = gelu(z1k)
-    g2 = _ln_grad(ein("bhcf,bhfd->bhcd", x2k, wg.W2) + wg.b2[..., None, :], k, v, scale, bias)
+    g2 = _inner_grad(ein("bhcf,bhfd->bhcd", x2k, wg.W2) + wg.b2[..., None, :], k, v, scale, bias)
     g1 = ein("bhcd,bhfd->bhcf", g2, wg.W2) * gelu_grad(z1k)
     x2q = gelu(z1q - ein("bhij,bhjf->bhif", attn1, g1))
     mask = jnp.tril(jnp.ones((c, c), bool))
