@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
 from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear, ttt_mlp  # noqa: E402
 from nlearn.memory.neural_memory import neural_memory  # noqa: E402
+from nlearn.utils.readme import replace_section  # noqa: E402
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Case:
     call(*inputs, impl) -> output `[B, T, H, D]`; `impl=None` means the op's default.
     flops(length, heads, dim) -> useful forward FLOPs of the default (chunked) form, batch 1.
     recurrent: the `impl` of the token-by-token twin (None: no twin).
+    recurrent_max_len: longest T at which the twin is timed (None: `--recurrent_max_len`); the deep
+      memory's per-token `jax.grad` twin takes minutes at T=4096.
     """
 
     name: str
@@ -59,6 +62,7 @@ class Case:
     call: Callable
     flops: Callable
     recurrent: str | None = "recurrent"
+    recurrent_max_len: int | None = None
 
 
 def _qkv(rng, b, t, h, d):
@@ -141,7 +145,7 @@ def _neural_memory_case(depth: int, mb: int) -> Case:
         per_token = sum(10 * i * o + 2 * mb * (i + o) for i, o in pairs) + sum(2 * i * o for i, o in pairs[1:])
         return h * t * per_token
 
-    return Case(f"neural_memory_L{depth}_b{mb}", make, call, flops)
+    return Case(f"neural_memory_L{depth}_b{mb}", make, call, flops, recurrent_max_len=1024)
 
 
 CASES += [_neural_memory_case(depth, mb) for depth in (1, 2, 3) for mb in (1, 16, 64)]
@@ -203,7 +207,8 @@ def run(args) -> str:
             inputs = case.make(rng, b, t, h, d)
             t_fwd, t_train = measure(case.call, inputs, w, None, args.reps, args.max_seconds)
             rec_ratio = None
-            if case.recurrent and t <= args.recurrent_max_len:
+            rec_max = min(args.recurrent_max_len, case.recurrent_max_len or args.recurrent_max_len)
+            if case.recurrent and t <= rec_max:
                 r_fwd, r_train = measure(case.call, inputs, w, case.recurrent, max(1, args.reps // 2),
                                          args.max_seconds)
                 rec_ratio = (r_fwd.median / t_fwd.median, r_train.median / t_train.median)
@@ -254,6 +259,19 @@ def acceptance(args) -> str:
     lines.append(f"ttt_linear T={t} mini-batch {TTT_MB}: fwd+bwd {b * t / t_train.median:,.0f} tokens/s "
                  f"(cpu-time {b * t / t_train.cpu_median:,.0f}), fwd {b * t / t_fwd.median:,.0f} tokens/s")
     print(lines[-1], flush=True)
+    # Titans LMM: depth 2 (64 -> 256 -> 64 per head), mini-batch 16, momentum and decay.
+    memory = by_name["neural_memory_L2_b16"]
+    for t in (1024, 4096):
+        inputs = memory.make(rng, b, t, h, d)
+        w = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+        t_fwd, t_train = measure(memory.call, inputs, w, None, args.reps, args.max_seconds)
+        line = (f"neural_memory depth 2 (64->256->64), b=16, T={t}: fwd+bwd {b * t / t_train.median:,.0f} tokens/s, "
+                f"fwd {b * t / t_fwd.median:,.0f} tokens/s")
+        if t == 1024:
+            _, r_train = measure(memory.call, inputs, w, "recurrent", 1, args.max_seconds)
+            line += f"; recurrent fwd+bwd {r_train.median * 1e3:.0f} ms -> {r_train.median / t_train.median:.1f}x"
+        lines.append(line)
+        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -274,6 +292,7 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--matmul_size", type=int, default=1024)
     p.add_argument("--out", default="", help="also write the markdown here")
+    p.add_argument("--readme", action="store_true", help="also rewrite the README's bench section")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.reps = "1024", 3
@@ -286,6 +305,9 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.readme:
+        command = "python scripts/bench_ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        replace_section("bench", f"Made by `{command.strip()}` on this 2-core CPU.\n\n{text}")
 
 
 if __name__ == "__main__":
