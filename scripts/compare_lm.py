@@ -1,9 +1,9 @@
 """Validation perplexity of several families on the built-in corpus at equal tokens.
 
 Every family trains its `tiny` preset with the same data, steps, batch and sequence length, in its
-own process; the table (family, parameters, tokens, perplexity, time) goes to the README.
+own process; the table (family, parameters, tokens, perplexity, tokens/s, time) goes to the README.
 
-  python scripts/compare_lm.py --families=transformer,titans_mac --steps=600
+  python scripts/compare_lm.py --families=transformer,titans_lmm --steps=150
 """
 
 from __future__ import annotations
@@ -21,45 +21,66 @@ sys.path.insert(0, ROOT)
 from nlearn.utils.readme import replace_section  # noqa: E402
 
 
+def throughput(records: list[dict], tokens_per_step: int) -> float:
+    """Training tokens/s over every logged interval (the trainer excludes compilation)."""
+    tokens = seconds = 0.0
+    prev = 1  # the trainer's clock starts after the first (compiling) step
+    for r in records:
+        if "tokens_per_sec" not in r:
+            continue
+        n = (r["step"] - prev) * tokens_per_step
+        if n > 0 and r["tokens_per_sec"] > 0:
+            tokens, seconds = tokens + n, seconds + n / r["tokens_per_sec"]
+        prev = r["step"]
+    return tokens / seconds if seconds else float("nan")
+
+
 def train(family: str, workdir: str, steps: int, extra: list[str]) -> dict:
+    """Train `family`'s tiny preset in its own process; its numbers, or its one-line error."""
     cmd = [sys.executable, "-m", "nlearn.cli.train", f"--config=configs/{family}.py:tiny",
            f"--workdir={workdir}", f"--config.train.steps={steps}",
            "--config.logging.wandb_mode=disabled", *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"family": family, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    result = json.load(open(os.path.join(workdir, "eval.json")))
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        return {"family": family, "error": (errors or proc.stderr.strip().splitlines() or ["?"])[-1]}
+    with open(os.path.join(workdir, "eval.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
     header = [l for l in proc.stdout.splitlines() if "M parameters" in l][0]
     final = [l for l in proc.stdout.splitlines() if l.startswith("final:")][0]
     tokens_per_step = int(header.split("tokens/step")[0].split(",")[-1])
     return {"family": family, "params_m": float(header.split(":")[1].split("M")[0]),
             "tokens": steps * tokens_per_step, "perplexity": result["perplexity"],
             "unigram": float(final.split("unigram baseline on the same tokens: ")[1].rstrip(")")),
+            "tokens_per_sec": throughput(records, tokens_per_step),
             "minutes": (time.perf_counter() - start) / 60}
 
 
 def table(rows) -> str:
-    out = ["| family (tiny) | parameters | training tokens | validation perplexity | wall time |",
-           "|---|---|---|---|---|"]
+    out = ["| family (tiny) | parameters | training tokens | validation perplexity | train tok/s | wall time |",
+           "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['family']} | failed: {r['error']} | | | |")
+            out.append(f"| {r['family']} | failed: `{r['error']}` | | | | |")
         else:
             out.append(f"| {r['family']} | {r['params_m']:.2f}M | {r['tokens'] / 1e6:.2f}M | "
-                       f"{r['perplexity']:.1f} | {r['minutes']:.1f} min |")
+                       f"{r['perplexity']:.1f} | {r['tokens_per_sec']:,.0f} | {r['minutes']:.1f} min |")
     ok = [r for r in rows if "unigram" in r]
     if ok:
-        out.append(f"| unigram baseline | | | {ok[0]['unigram']:.1f} | |")
+        out.append(f"| unigram baseline | | | {ok[0]['unigram']:.1f} | | |")
     return "\n".join(out)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--families", default="transformer,titans_mac")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--families", default="transformer,titans_lmm")
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "compare"))
     parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--note", default="", help="sentence appended to the README section's header")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
     rows = []
@@ -72,8 +93,11 @@ def main():
     print(body)
     if not args.no_readme:
         cmd = " ".join(["python scripts/compare_lm.py", f"--families={args.families}",
-                        f"--steps={args.steps}", *args.overrides])
-        replace_section("lm-comparison", f"Made by `{cmd}` on the 2-core CPU.\n\n{body}")
+                        f"--steps={args.steps}", *(["--", *args.overrides] if args.overrides else [])])
+        head = (f"Made by `{cmd}` on the 2-core CPU: every family trains its `tiny` preset on the same "
+                "batches (same seed, steps, batch and sequence length) and is scored on the same "
+                "held-out tokens. tok/s excludes compilation.")
+        replace_section("lm-comparison", f"{head} {args.note}".rstrip() + f"\n\n{body}")
 
 
 if __name__ == "__main__":
