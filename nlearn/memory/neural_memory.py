@@ -73,6 +73,7 @@ from nlearn.memory.chunking import (
     from_chunks,
     to_chunks,
 )
+from nlearn.memory.delta import unit_lower_inverse
 from nlearn.memory.inner_optimizers import InnerOptimizer, get_inner_optimizer
 from nlearn.memory.objectives import Objective, get_objective, output_grad
 
@@ -363,7 +364,6 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     # DGD: u_t = x_t W_{t-1} solves (I + G ⊙ Dη_prev) u = A_prev x W_c + m_prev x U_c − (G ⊙ Cη_prev) δ.
     us = [None] * nl
     if opt.precondition:
-        eye = jnp.eye(c, dtype=dt)
         for i in range(nl):
             x = inputs[i]
             gram = jnp.matmul(x, _swap(x))
@@ -371,8 +371,9 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
             rhs = avec_p[..., None] * xw - jnp.matmul(gram * ceta_p, deltas[i])
             if mvec_p is not None:
                 rhs = rhs + mvec_p[..., None] * jnp.matmul(x, U_c[i])
-            us[i] = lax.linalg.triangular_solve(eye + gram * deta_p, rhs, left_side=True, lower=True,
-                                                unit_diagonal=True)
+            # (I + strictly lower)⁻¹ by block doubling: batched matmuls, no LAPACK call (whose
+            # OpenBLAS threads fight XLA's on a small CPU) and no row-by-row solve.
+            us[i] = jnp.matmul(unit_lower_inverse(gram * deta_p), rhs)
 
     cat = [None] * nl
     if mvec is not None:
