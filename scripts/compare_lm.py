@@ -3,7 +3,7 @@
 Every family trains its `tiny` preset with the same data, steps, batch and sequence length, in its
 own process; the table (family, parameters, tokens, perplexity, tokens/s, time) goes to the README.
 
-  python scripts/compare_lm.py --families=transformer,titans_lmm --steps=150
+  python scripts/compare_lm.py --families=transformer,titans_lmm --steps=75
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def table(rows) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--families", default="transformer,titans_lmm")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=75)
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "compare"))
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--note", default="", help="sentence appended to the README section's header")

@@ -1,0 +1,79 @@
+"""The experiment scripts (ablate, compare_lm), the `make train` default and the CLI environment."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"nlearn_script_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_config(family: str):
+    path = os.path.join(ROOT, "configs", f"{family}.py")
+    spec = importlib.util.spec_from_file_location(f"nlearn_config_test_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("tiny")
+
+
+def make_default(name: str) -> str:
+    text = open(os.path.join(ROOT, "Makefile")).read()
+    return re.search(rf"^{name} \?= (\S+)$", text, re.M).group(1)
+
+
+@pytest.mark.parametrize("script", ["ablate", "compare_lm"])
+def test_throughput_weights_intervals_by_tokens(script):
+    # Steps 2..5 at 100 tok/s and 6..9 at 400 tok/s (10 tokens a step): 80 tokens in 0.5 s.
+    records = [{"step": 5, "tokens_per_sec": 100.0, "loss": 1.0}, {"step": 9, "tokens_per_sec": 400.0},
+               {"step": 9, "eval_loss": 1.0}]
+    assert load_script(script).throughput(records, 10) == pytest.approx(80 / 0.5)
+
+
+def test_ablate_table_has_a_row_per_variant_and_refusals():
+    ablate = load_script("ablate")
+    rows = [{"variant": "default", "train_loss": 6.5, "eval_loss": 6.6, "tokens_per_sec": 1234.0, "minutes": 1.5},
+            {"variant": "optimizer=adamq", "error": "error: invalid config value model.memory.optimizer='adamq'"}]
+    lines = ablate.table(rows).splitlines()
+    assert lines[2] == "| default | 6.500 | 6.600 | 1,234 | 1.5 min |"
+    assert lines[3].startswith("| optimizer=adamq | refused: `error: invalid config value")
+    assert "optimizer=adamq" in ablate.VARIANTS
+
+
+def test_ablate_records_a_refused_variant_as_one_line(tmp_path):
+    row = load_script("ablate").run("titans_lmm", "optimizer=adamq", str(tmp_path / "run"), 1, [])
+    assert row["variant"] == "optimizer=adamq"
+    assert row["error"].startswith("error: invalid config value model.memory.optimizer='adamq'"), row
+
+
+def test_make_train_default_is_a_titans_model_with_the_transformer_parameter_count():
+    from nlearn.models import count_params
+
+    model = make_default("MODEL")
+    assert model.startswith("titans_")
+    titans, transformer = load_config(model), load_config("transformer")
+    for key in ("batch_size", "seq_len"):  # equal tokens per step for the comparison
+        assert titans.train[key] == transformer.train[key]
+    ratio = count_params(titans) / count_params(transformer)
+    assert abs(ratio - 1) < 0.03, ratio
+
+
+def test_cli_runs_lapack_on_one_openblas_thread():
+    code = "import os, nlearn.cli.common; print(os.environ['OPENBLAS_NUM_THREADS'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "1", out.stderr
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(env, OPENBLAS_NUM_THREADS="2"))
+    assert out.stdout.strip() == "2", out.stderr  # a user's own setting wins
