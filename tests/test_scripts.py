@@ -77,3 +77,18 @@ def test_cli_runs_lapack_on_one_openblas_thread():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=dict(env, OPENBLAS_NUM_THREADS="2"))
     assert out.stdout.strip() == "2", out.stderr  # a user's own setting wins
+
+
+def test_cli_drops_only_orbax_read_only_warnings():
+    import logging
+
+    from nlearn.cli.common import _drop_orbax_read_only
+
+    def record(path, msg):
+        return logging.LogRecord("absl", logging.WARNING, path, 1, msg, (), None)
+
+    orbax = "/x/site-packages/orbax/checkpoint/checkpoint_manager.py"
+    assert not _drop_orbax_read_only(record(orbax, "Options.read_only=True, setting max_to_keep=None."))
+    assert not _drop_orbax_read_only(record(orbax, "Given directory is read only=/tmp/run/checkpoints"))
+    assert _drop_orbax_read_only(record(orbax, "checkpoint directory is missing"))
+    assert _drop_orbax_read_only(record("/x/nlearn/train/checkpoint.py", "step 3 is read only"))

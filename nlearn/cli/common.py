@@ -63,6 +63,13 @@ def quiet_libraries() -> None:
     import absl.logging as absl_logging
 
     absl_logging.use_absl_handler()
+    absl_logging.get_absl_logger().addFilter(_drop_orbax_read_only)
+
+
+def _drop_orbax_read_only(record) -> bool:
+    """Orbax warns three times that a read-only checkpoint manager is read-only (eval, generate)."""
+    message = record.getMessage().lower().replace("_", " ")
+    return not ("orbax" in (record.pathname or "") and "read only" in message)
 
 
 def run(main) -> None:
