@@ -1,14 +1,19 @@
 """`make mqar`: train every family on the common MQAR task and write the README table.
 
-Each family runs `configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar)
-and reports accuracy on the answers, parameter count and wall-clock training time.
+Each family runs `configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar).
+The budget is the preset's step count or `configs/mqar.py`'s TIME_LIMIT_S of wall time, whichever
+comes first: at the limit the trainer gets SIGTERM, saves a checkpoint and exits, and the
+checkpoint is scored by `nlearn-eval`. The table reports accuracy on the answers, parameter count,
+the training process's wall time (start-up and compilation included) and the steps it reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,54 +23,106 @@ sys.path.insert(0, ROOT)
 
 from nlearn.utils.readme import replace_section  # noqa: E402
 
-DEFAULT_FAMILIES = ("transformer", "linear_attention", "deltanet", "gated_deltanet", "titans_lmm",
-                    "titans_mac", "titans_mag", "titans_mal", "ttt_linear", "ttt_mlp")
+DEFAULT_FAMILIES = ("transformer", "linear_attention", "deltanet", "titans_lmm", "titans_mac")
 
 
-def run_family(family: str, workdir: str, extra: list[str]) -> dict:
+def mqar_presets():
+    """The `configs/mqar.py` module (configs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("nlearn_config_mqar", os.path.join(ROOT, "configs", "mqar.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def last_json(text: str) -> dict:
+    """The last stdout line that parses as a JSON object."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line in the output")
+
+
+def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float) -> dict:
+    """Train `family` within the budget and score it; a dict for one table row."""
     cmd = [sys.executable, "-m", "nlearn.cli.train", f"--config=configs/mqar.py:{family}",
            f"--workdir={workdir}", "--config.logging.wandb_mode=disabled", *extra]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = False
+    try:
+        out, err = proc.communicate(timeout=time_limit_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the trainer saves a checkpoint at the current step
+        out, err = proc.communicate()
+        stopped = True
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
-        return {"family": family, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    result = json.load(open(os.path.join(workdir, "eval.json")))
-    params = [l for l in proc.stdout.splitlines() if "M parameters" in l][0].split(":")[1].split("M")[0]
+        return {"family": family, "error": (err.strip().splitlines() or ["?"])[-1]}
+    params = [line for line in out.splitlines() if "M parameters" in line][0].split(":")[1].split("M")[0]
+    eval_path = os.path.join(workdir, "eval.json")
+    if os.path.exists(eval_path):
+        result = json.load(open(eval_path))
+    else:  # stopped at the time limit: score the checkpoint it saved
+        ev = subprocess.run([sys.executable, "-m", "nlearn.cli.eval", f"--workdir={workdir}"], cwd=ROOT,
+                            capture_output=True, text=True)
+        if ev.returncode != 0:
+            return {"family": family, "error": (ev.stderr.strip().splitlines() or ["?"])[-1]}
+        result = last_json(ev.stdout)
     return {"family": family, "accuracy": result["mqar_accuracy"], "params_m": float(params),
-            "train_seconds": result["train_seconds"], "wall_seconds": seconds}
+            "train_seconds": seconds, "step": int(result["step"]), "stopped_at_limit": stopped}
 
 
-def table(rows: list[dict]) -> str:
-    out = ["| family | MQAR accuracy | parameters | training time |", "|---|---|---|---|"]
+def table(rows: list[dict], steps: int) -> str:
+    out = ["| family | MQAR accuracy | parameters | training time | steps |", "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['family']} | failed: {r['error']} | | |")
+            out.append(f"| {r['family']} | failed: {r['error']} | | | |")
         else:
+            reached = f"{r['step']} of {steps}" + (" (time limit)" if r["stopped_at_limit"] else "")
             out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {r['params_m']:.2f}M | "
-                       f"{r['train_seconds'] / 60:.1f} min |")
+                       f"{r['train_seconds'] / 60:.1f} min | {reached} |")
     return "\n".join(out)
+
+
+def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
+    """The sentence above the table: the command, task and budget, from configs/mqar.py."""
+    task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
+    overrides = {f: presets.FAMILY_OVERRIDES[f] for f in families if f in presets.FAMILY_OVERRIDES}
+    text = (f"Made by `make mqar` (`python scripts/mqar.py --families={','.join(families)}`) on this repo's "
+            f"2-core CPU (load average {load} at the end). Task: T={task['seq_len']}, {task['num_pairs']} "
+            f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
+            f"d_model={model['d_model']}, {model['num_heads']} heads; budget: {budget['steps']} steps of "
+            f"{budget['batch_size']} sequences (lr {budget['lr']:g}) or {time_limit_s / 60:g} minutes of wall "
+            f"time, whichever comes first. Accuracy over {task['eval_examples']} held-out examples.")
+    if overrides:
+        text += " Per-family overrides: " + "; ".join(
+            f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in overrides.items()) + "."
+    return text
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--families", default=",".join(DEFAULT_FAMILIES))
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "mqar"))
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds of wall time per family (default: configs/mqar.py TIME_LIMIT_S)")
     parser.add_argument("--no-readme", action="store_true", help="print the table only")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
+    presets = mqar_presets()
+    limit = args.time_limit or presets.TIME_LIMIT_S
+    families = args.families.split(",")
     rows = []
-    for family in args.families.split(","):
+    for family in families:
         workdir = os.path.join(args.workdir, family)
         subprocess.run(["rm", "-rf", workdir])
-        rows.append(run_family(family, workdir, args.overrides))
+        rows.append(run_family(family, workdir, args.overrides, limit))
         print(json.dumps(rows[-1]), flush=True)
-    body = table(rows)
+    body = table(rows, presets.BUDGET["steps"])
     print(body)
-    if not args.no_readme:
-        note = ("Made by `make mqar` (`python scripts/mqar.py`): T=256, 16 pairs, vocabulary 512, "
-                "2 layers, d_model=128, 1500 steps of 32 sequences, on this repo's 2-core CPU.")
-        replace_section("mqar", f"{note}\n\n{body}")
+    if not args.no_readme and not args.overrides:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        replace_section("mqar", f"{note(presets, families, limit, load)}\n\n{body}")
 
 
 if __name__ == "__main__":

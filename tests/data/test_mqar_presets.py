@@ -1,0 +1,67 @@
+"""configs/mqar.py presets (one task and budget for every family) and the `make mqar` table."""
+
+import importlib.util
+import os
+
+import pytest
+
+from nlearn import config as config_lib
+from nlearn.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load(relpath: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def presets():
+    return load("configs/mqar.py", "mqar_presets_under_test")
+
+
+def families():
+    return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
+                  if f.endswith(".py") and f != "mqar.py")
+
+
+def test_every_family_gets_the_common_task_and_budget(presets):
+    seen = set()
+    for family in families():
+        c = presets.get_config(family)
+        config_lib.validate(c)
+        assert c.model.family == family and c.data.source == "mqar"
+        assert c.train.seq_len >= 256 and c.data.mqar.num_pairs >= 16
+        assert c.model.num_layers == 2 and c.model.d_model <= 128
+        assert c.model.vocab_size == c.data.vocab_size == presets.TASK["vocab_size"]
+        assert c.data.eval_tokens == 0  # every eval example is scored
+        seen.add((c.train.seq_len, c.data.mqar.num_pairs, c.data.vocab_size, c.model.d_model,
+                  c.model.num_heads, c.train.batch_size, c.train.steps, c.train.lr))
+    assert len(seen) == 1
+    assert presets.TIME_LIMIT_S <= 600
+
+
+def test_unknown_family_names_the_valid_ones(presets):
+    with pytest.raises(UserError, match="valid: .*deltanet"):
+        presets.get_config("no_such_family")
+    with pytest.raises(UserError):
+        presets.get_config("mqar")
+
+
+def test_table_and_note():
+    script = load("scripts/mqar.py", "mqar_script_under_test")
+    rows = [{"family": "deltanet", "accuracy": 0.995, "params_m": 0.53, "train_seconds": 300.0,
+             "step": 1000, "stopped_at_limit": False},
+            {"family": "titans_mac", "accuracy": 0.5, "params_m": 0.86, "train_seconds": 600.0,
+             "step": 120, "stopped_at_limit": True},
+            {"family": "ttt_mlp", "error": "boom"}]
+    lines = script.table(rows, 1000).splitlines()
+    assert lines[2] == "| deltanet | 99.5% | 0.53M | 5.0 min | 1000 of 1000 |"
+    assert lines[3] == "| titans_mac | 50.0% | 0.86M | 10.0 min | 120 of 1000 (time limit) |"
+    assert "failed: boom" in lines[4]
+    text = script.note(script.mqar_presets(), ["deltanet"], 600, "1.0")
+    assert "T=256" in text and "16 pairs" in text and "10 minutes" in text
+    assert script.last_json('log\n{"step": 3, "mqar_accuracy": 0.5}\n') == {"step": 3, "mqar_accuracy": 0.5}
