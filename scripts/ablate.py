@@ -71,7 +71,8 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | refused: `{r['error']}` | | | |")
+            why = "refused" if "invalid config value" in r["error"] else "failed"
+            lines.append(f"| {r['variant']} | {why}: `{r['error']}` | | | |")
         else:
             lines.append(f"| {r['variant']} | {r['train_loss']:.3f} | {r['eval_loss']:.3f} | "
                          f"{r['tokens_per_sec']:,.0f} | {r['minutes']:.1f} min |")
@@ -86,10 +87,14 @@ def main():
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "ablate"))
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--note", default="", help="sentence appended to the README section's header")
+    parser.add_argument("--rows", default="", help="re-render the table from this file of printed JSON rows")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every run")
     args = parser.parse_args()
     rows = []
-    for i, variant in enumerate(args.variants.split(",")):
+    if args.rows:
+        with open(args.rows) as f:
+            rows = [json.loads(line) for line in f if line.startswith("{")]
+    for i, variant in enumerate([] if args.rows else args.variants.split(",")):
         workdir = os.path.join(args.workdir, f"{args.family}-{i}")
         subprocess.run(["rm", "-rf", workdir])
         rows.append(run(args.family, variant, workdir, args.steps, args.overrides))
