@@ -18,7 +18,7 @@ ln(256), and the steps spent on the plateau are what the budget has to cover.
 import importlib.util
 import os
 
-TASK = dict(seq_len=256, num_pairs=16, vocab_size=512, eval_examples=1000)
+TASK = dict(seq_len=256, num_pairs=16, vocab_size=512, eval_examples=1000, random_filler=False)
 MODEL = dict(d_model=128, num_layers=2, num_heads=2)
 BUDGET = dict(batch_size=16, steps=1000, lr=3e-3, warmup_steps=20, weight_decay=0.0)
 TIME_LIMIT_S = 600  # wall-time cap per family in `make mqar` (start-up and compilation included)
@@ -48,6 +48,7 @@ def get_config(family: str = "deltanet"):
         config.data.vocab_size = TASK["vocab_size"]
         config.data.mqar.num_pairs = TASK["num_pairs"]
         config.data.mqar.eval_examples = TASK["eval_examples"]
+        config.data.mqar.random_filler = TASK["random_filler"]
         config.data.eval_tokens = 0  # score every eval example
         config.model.update(MODEL)
         for key, value in FAMILY_OVERRIDES.get(family, {}).items():

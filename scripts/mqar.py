@@ -56,9 +56,11 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
         out, err = proc.communicate()
         stopped = True
     seconds = time.perf_counter() - start
-    if proc.returncode != 0:
+    params = [line for line in out.splitlines() if "M parameters" in line]
+    # A run stopped at the limit is scored from its newest checkpoint even if the stop itself failed.
+    if not params or (proc.returncode != 0 and not stopped):
         return {"family": family, "error": (err.strip().splitlines() or ["?"])[-1]}
-    params = [line for line in out.splitlines() if "M parameters" in line][0].split(":")[1].split("M")[0]
+    params = params[0].split(":")[1].split("M")[0]
     eval_path = os.path.join(workdir, "eval.json")
     if os.path.exists(eval_path):
         result = json.load(open(eval_path))
@@ -107,6 +109,8 @@ def main():
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of wall time per family (default: configs/mqar.py TIME_LIMIT_S)")
     parser.add_argument("--no-readme", action="store_true", help="print the table only")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the row of a family whose workdir already holds row.json (no retraining)")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
     presets = mqar_presets()
@@ -115,8 +119,15 @@ def main():
     rows = []
     for family in families:
         workdir = os.path.join(args.workdir, family)
-        subprocess.run(["rm", "-rf", workdir])
-        rows.append(run_family(family, workdir, args.overrides, limit))
+        row_path = os.path.join(workdir, "row.json")
+        if args.reuse and os.path.exists(row_path):
+            rows.append(json.load(open(row_path)))
+        else:
+            subprocess.run(["rm", "-rf", workdir])
+            rows.append(run_family(family, workdir, args.overrides, limit))
+            os.makedirs(workdir, exist_ok=True)
+            with open(row_path, "w") as f:
+                json.dump(rows[-1], f)
         print(json.dumps(rows[-1]), flush=True)
     body = table(rows, presets.BUDGET["steps"])
     print(body)

@@ -85,12 +85,17 @@ def check_args(seq_len: int, num_pairs: int, vocab_size: int, power_a: float,
 
 
 def mqar_example(rng: np.random.Generator, *, seq_len: int, num_pairs: int, vocab_size: int,
-                 power_a: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+                 power_a: float = 0.01, random_filler: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """One MQAR window: (tokens int32 [seq_len + 1], weights float32 [seq_len + 1]).
 
     weights[t] = 1 exactly where tokens[t] is a queried value (tokens[t - 1] its key), so
     with inputs = tokens[:-1], targets = tokens[1:] and target weights = weights[1:] (what the
-    pipeline's to_lm_batch does) the loss falls on the num_pairs answers only."""
+    pipeline's to_lm_batch does) the loss falls on the num_pairs answers only.
+
+    random_filler: the query region's filler is drawn uniformly from [1, vocab_size) minus this
+    window's keys instead of 0 (Zoology's random_non_queries, without its chance repeats of a
+    key, which would make some answers ambiguous); drawn after everything else, so the pairs
+    and slots are those of random_filler=False."""
     check_args(seq_len, num_pairs, vocab_size, power_a)
     half = vocab_size // 2
     keys = rng.choice(half - 1, size=num_pairs, replace=False) + 1
@@ -105,6 +110,10 @@ def mqar_example(rng: np.random.Generator, *, seq_len: int, num_pairs: int, voca
     tokens[key_pos + 1] = values
     weights = np.zeros(seq_len + 1, np.float32)
     weights[key_pos + 1] = 1.0
+    if random_filler:
+        filler = np.flatnonzero(tokens == 0)
+        allowed = np.setdiff1d(np.arange(1, vocab_size, dtype=np.int32), keys)
+        tokens[filler] = allowed[rng.integers(len(allowed), size=len(filler))]
     return tokens, weights
 
 
@@ -113,11 +122,13 @@ class MqarExamples(collections.abc.Sequence):
     {"tokens", "weights"}; record i is generated from SeedSequence([tag, stream, seed, i])."""
 
     def __init__(self, num_examples: int, stream: int, seed: int, *, seq_len: int,
-                 num_pairs: int, vocab_size: int, power_a: float):
+                 num_pairs: int, vocab_size: int, power_a: float, random_filler: bool = False):
         check_args(seq_len, num_pairs, vocab_size, power_a)
         self.num_examples, self.stream, self.seed = int(num_examples), int(stream), int(seed)
         self.kwargs = dict(seq_len=int(seq_len), num_pairs=int(num_pairs),
                            vocab_size=int(vocab_size), power_a=float(power_a))
+        if random_filler:
+            self.kwargs["random_filler"] = True
 
     def __len__(self) -> int:
         return self.num_examples
@@ -155,6 +166,8 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
             raise UserError(f"data.mqar.{split} must be at least 1, got {counts[split]}")
     seed = int(config.train.seed) % 2**64  # SeedSequence takes non-negative entropy only.
     task = dict(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab, power_a=power_a)
+    if m.get("random_filler", False):  # a key only when set: keeps earlier corpus keys
+        task["random_filler"] = True
     key = "mqar-" + cache.short_hash([_VERSION, task, counts, seed])
     return Corpus(
         key=key,
@@ -163,7 +176,8 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
         vocab_size=vocab,
         pack=False,
         description=(f"mqar: {num_pairs} pairs, seq_len {seq_len}, vocab {vocab}, power_a "
-                     f"{power_a}; {counts['train_examples']} train / "
+                     f"{power_a}{', random filler' if task.get('random_filler') else ''}; "
+                     f"{counts['train_examples']} train / "
                      f"{counts['eval_examples']} eval examples (seed {seed})"),
     )
 

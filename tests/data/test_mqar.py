@@ -183,3 +183,22 @@ def test_default_config_and_errors(mqar_config):
         make_train_iterator(mqar_config(num_pairs=17))
     with pytest.raises(UserError, match=r"needs seq_len >= 4"):
         mqar.mqar_example(np.random.default_rng(0), seq_len=10, num_pairs=3, vocab_size=64)
+
+
+def test_random_filler_keeps_the_task_and_never_repeats_a_key(mqar_config):
+    """random_filler replaces only the 0 filler, by tokens that are not this window's keys."""
+    for seed in range(20):
+        plain, w0 = mqar.mqar_example(np.random.default_rng(seed), seq_len=64, num_pairs=4, vocab_size=32)
+        noisy, w1 = mqar.mqar_example(np.random.default_rng(seed), seq_len=64, num_pairs=4, vocab_size=32,
+                                      random_filler=True)
+        np.testing.assert_array_equal(w0, w1)
+        kept = plain != 0
+        np.testing.assert_array_equal(noisy[kept], plain[kept])
+        filler = noisy[~kept]
+        assert filler.min() >= 1 and filler.max() < 32
+        assert not np.isin(filler, plain[0:8:2]).any()
+    config = mqar_config()
+    config.data.mqar.random_filler = True
+    corpus = get_corpus(config)
+    assert corpus.key != get_corpus(mqar_config()).key
+    assert (corpus.train[0]["tokens"] != 0).all()
