@@ -13,6 +13,8 @@ recall is as hard, but the output layer costs 16x less. Family sizes come from
 `configs/<family>.py:tiny`; the dimensions below override them. No weight decay (the task has
 no noise to regularise against) and a short warmup: MQAR is learnt after a loss plateau at
 ln(256), and the steps spent on the plateau are what the budget has to cover.
+TASK["random_filler"] (or --config.data.mqar.random_filler=True) fills the query region with
+random non-key tokens instead of 0, as Zoology's random_non_queries does; the presets keep 0.
 """
 
 import importlib.util

@@ -116,12 +116,13 @@ def main():
     presets = mqar_presets()
     limit = args.time_limit or presets.TIME_LIMIT_S
     families = args.families.split(",")
-    rows = []
+    rows, reused = [], []
     for family in families:
         workdir = os.path.join(args.workdir, family)
         row_path = os.path.join(workdir, "row.json")
         if args.reuse and os.path.exists(row_path):
             rows.append(json.load(open(row_path)))
+            reused.append(family)
         else:
             subprocess.run(["rm", "-rf", workdir])
             rows.append(run_family(family, workdir, args.overrides, limit))
@@ -133,7 +134,10 @@ def main():
     print(body)
     if not args.no_readme and not args.overrides:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        replace_section("mqar", f"{note(presets, families, limit, load)}\n\n{body}")
+        text = note(presets, families, limit, load)
+        if reused:
+            text += f" Rows reused from earlier invocations (`--reuse`): {', '.join(reused)}."
+        replace_section("mqar", f"{text}\n\n{body}")
 
 
 if __name__ == "__main__":
