@@ -29,8 +29,12 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c.momentum = True  # learned momentum gate mu (optimizers with a momentum buffer)
     c.decay = True  # learned forgetting gate alpha
     # eta = max_lr * sigmoid(x W_eta). The mini-batch sums b gradients, so the step on the inner loss is
-    # ~ max_lr * b * |h|^2; 0.1 with b = 16 diverged (inf) with momentum near 1, 0.01 stays stable.
-    c.max_lr = 0.01
+    # ~ max_lr * b * |h|^2; 0.1 with b = 16 diverged (inf) with momentum near 1, 0.01 stays stable at
+    # depth 2, and each extra hidden layer compounds the growth (depth 3 at 0.01 overflowed within a
+    # sequence after 20 outer steps). Unless set, max_lr follows the depth: 0.04 / depth^2
+    # (depth 1: 0.04, 2: 0.01, 3: 0.0044); an explicit value always wins.
+    depth = c.get_ref("depth").to_float()
+    c.max_lr = 0.04 / (depth * depth)
     c.update(overrides)
     return c
 

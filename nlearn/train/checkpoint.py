@@ -37,6 +37,8 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, data_iter, meta: dict, *, force: bool = False) -> None:
+        if step in self.manager.all_steps():  # e.g. a stop signal right after a periodic save
+            return
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)

@@ -141,13 +141,18 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 jax.block_until_ready(metrics)
                 progress.reset_clock(step)
                 compiling = False
-            if step % t.log_every == 0 or step == t.steps:
+            stopping = stop.signal  # read once: a signal arriving later waits for the next step
+            will_save = step % config.checkpoint.every_steps == 0 or step == t.steps or stopping
+            if step % t.log_every == 0 or will_save:
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not math.isfinite(record["loss"]):
-                    ckpt.wait()
-                    raise UserError(f"training loss became {record['loss']} at step {step}; checkpoints "
-                                    f"up to step {max(ckpt.steps(), default=0)} are intact (lower train.lr or "
-                                    "the memory's max_lr and resume)")
+                # A non-finite loss or gradient stops the run before it can reach a checkpoint.
+                for name in ("loss", "grad_norm"):
+                    if not math.isfinite(record[name]):
+                        ckpt.wait()
+                        raise UserError(f"training {name.replace('_', ' ')} became {record[name]} at step {step}; "
+                                        f"checkpoints up to step {max(ckpt.steps(), default=0)} are intact "
+                                        "(lower train.lr or the memory's max_lr and resume)")
+            if step % t.log_every == 0 or step == t.steps:
                 record = progress.update(step, record)
                 record["step"] = step
                 log(record)
@@ -156,8 +161,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 progress.reset_clock(step)
             if step % config.checkpoint.every_steps == 0 or step == t.steps:
                 ckpt.save(step, state, train_iter, meta)
-            if stop.signal:
-                stopped = stop.signal
+            if stopping:
+                stopped = stopping
                 ckpt.save(step, state, train_iter, meta, force=True)
                 break
     ckpt.wait()
