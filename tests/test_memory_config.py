@@ -19,3 +19,32 @@ def test_explicit_max_lr_wins():
     config.depth = 3
     assert config.max_lr == 0.2
     assert neural_memory_config(max_lr=0.05, depth=3).max_lr == 0.05
+
+
+def test_conv_init_choices():
+    """Both short-conv inits build; an unknown one is refused naming the key."""
+    import importlib.util
+    import os
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nlearn import config as config_lib
+    from nlearn.errors import UserError
+    from nlearn.layers.conv import ShortConv
+
+    identity = ShortConv(8, 4, rngs=nnx.Rngs(0)).weight[...]
+    assert jnp.allclose(identity[-1], 1.0, atol=0.1) and jnp.all(jnp.abs(identity[:-1]) < 0.1)
+    uniform = ShortConv(8, 4, init="uniform", rngs=nnx.Rngs(0)).weight[...]
+    assert jnp.all(jnp.abs(uniform) <= 0.5) and float(jnp.std(uniform)) > 0.1
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "deltanet.py")
+    spec = importlib.util.spec_from_file_location("deltanet_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    config.model.memory.conv_init = "uniform"
+    config_lib.validate(config)
+    config.model.memory.conv_init = "zeros"
+    with pytest.raises(UserError, match="model.memory.conv_init='zeros'"):
+        config_lib.validate(config)

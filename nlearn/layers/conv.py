@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -11,11 +12,23 @@ from nlearn.layers.core import param
 class ShortConv(nnx.Module):
     """`y_t = sum_{i<K} w_i * x_{t-i}` per channel (causal), `x [B, T, C]`."""
 
-    def __init__(self, channels: int, kernel: int = 4, *, rngs: nnx.Rngs):
+    INITS = ("identity", "uniform")
+
+    def __init__(self, channels: int, kernel: int = 4, *, init: str = "identity", rngs: nnx.Rngs):
+        """init="identity": the newest tap starts at 1, older taps ~N(0, 0.02) (the layer starts
+        as a pass-through); "uniform": every tap ~U(-1/sqrt(K), 1/sqrt(K)), PyTorch's Conv1d
+        default as in FLA's ShortConvolution (each channel starts as a random mix of the last K
+        tokens, which speeds up learning token-shift circuits such as associative recall)."""
+        if init not in self.INITS:
+            raise ValueError(f"init={init!r}: valid {', '.join(self.INITS)}")
         self.kernel_size = kernel
-        # Identity-like init: the newest tap starts at 1, older taps small.
-        w = 0.02 * param(rngs, (kernel, channels), ("conv", "heads"))[...]
-        self.weight = nnx.Param(w.at[-1].add(1.0), out_sharding=("conv", "heads"))
+        if init == "identity":
+            w = 0.02 * param(rngs, (kernel, channels), ("conv", "heads"))[...]
+            w = w.at[-1].add(1.0)
+        else:
+            bound = 1.0 / kernel ** 0.5
+            w = jax.random.uniform(rngs.params(), (kernel, channels), minval=-bound, maxval=bound)
+        self.weight = nnx.Param(w, out_sharding=("conv", "heads"))
 
     def init_cache(self, batch: int, channels: int, dtype=jnp.float32):
         return jnp.zeros((batch, self.kernel_size - 1, channels), dtype)

@@ -46,7 +46,8 @@ class MemoryMixer(nnx.Module):
         self.q = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.k = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.v = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
-        self.convs = nnx.List([ShortConv(width, mem.conv_size, rngs=rngs) for _ in range(3)]
+        conv_init = mem.get("conv_init", "identity")  # configs saved before the key existed
+        self.convs = nnx.List([ShortConv(width, mem.conv_size, init=conv_init, rngs=rngs) for _ in range(3)]
                               if mem.conv_size else [])
         self.out_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
         # output=False: no gate and output projection; the caller mixes `heads()` itself (Titans MAG).

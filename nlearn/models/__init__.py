@@ -28,6 +28,13 @@ def register(name: str, make_mixer: MixerFactory, validate: Optional[Callable] =
 
 
 def validate_config(config) -> None:
+    from nlearn.errors import UserError
+    from nlearn.layers.conv import ShortConv
+
+    memory = config.model.get("memory")
+    if memory is not None and memory.get("conv_init", "identity") not in ShortConv.INITS:
+        raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
+                        f"{', '.join(ShortConv.INITS)}")
     family = FAMILIES[config.model.family]
     if family.validate is not None:
         family.validate(config)

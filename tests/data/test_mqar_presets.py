@@ -38,10 +38,24 @@ def test_every_family_gets_the_common_task_and_budget(presets):
         assert c.model.num_layers == 2 and c.model.d_model <= 128
         assert c.model.vocab_size == c.data.vocab_size == presets.TASK["vocab_size"]
         assert c.data.eval_tokens == 0  # every eval example is scored
+        assert c.model.mlp_dim == presets.MODEL["mlp_dim"]
         seen.add((c.train.seq_len, c.data.mqar.num_pairs, c.data.vocab_size, c.model.d_model,
                   c.model.num_heads, c.train.batch_size, c.train.steps, c.train.lr))
     assert len(seen) == 1
     assert presets.TIME_LIMIT_S <= 600
+
+
+def test_family_overrides_apply(presets):
+    for family, overrides in presets.FAMILY_OVERRIDES.items():
+        c = presets.get_config(family)
+        for key, value in overrides.items():
+            node = c.model
+            for part in key.split("."):
+                node = node[part]
+            assert node == value, (family, key)
+    lmm = presets.get_config("titans_lmm")
+    if lmm.model.memory.depth == 1:
+        assert lmm.model.memory.max_lr == pytest.approx(0.04)  # max_lr still follows the depth
 
 
 def test_unknown_family_names_the_valid_ones(presets):
