@@ -93,10 +93,11 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
     text = (f"Made by `make mqar` (`python scripts/mqar.py --families={','.join(families)}`) on this repo's "
             f"2-core CPU (load average {load} at the end). Task: T={task['seq_len']}, {task['num_pairs']} "
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
-            f"d_model={model['d_model']}, {model['num_heads']} heads, SwiGLU width {model['mlp_dim']}; budget: {budget['steps']} steps of "
-            f"{budget['batch_size']} sequences (lr {budget['lr']:g}"
-            f"{', constant after warmup' if budget.get('min_lr_ratio') == 1.0 else ''}) or {time_limit_s / 60:g} minutes of wall "
-            f"time, whichever comes first. Accuracy over {task['eval_examples']} held-out examples.")
+            f"d_model={model['d_model']}, {model['num_heads']} heads, SwiGLU width {model['mlp_dim']}; "
+            f"budget: {budget['steps']} steps of {budget['batch_size']} sequences (lr {budget['lr']:g}"
+            f"{', constant after warmup' if budget.get('min_lr_ratio') == 1.0 else ''}) or "
+            f"{time_limit_s / 60:g} minutes of wall time, whichever comes first. "
+            f"Accuracy over {task['eval_examples']} held-out examples.")
     if overrides:
         text += " Per-family overrides: " + "; ".join(
             f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in overrides.items()) + "."

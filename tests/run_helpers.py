@@ -1,7 +1,9 @@
-"""Helpers shared by the end-to-end tests: small overrides and a subprocess runner for the CLIs."""
+"""Helpers shared by the end-to-end tests: small overrides, a subprocess runner for the CLIs and a
+loader for the family config files."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,3 +30,12 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: int = 300
     full_env.setdefault("JAX_PLATFORMS", "cpu")
     return subprocess.run([sys.executable, "-m", f"nlearn.cli.{module}", *args], cwd=ROOT,
                           capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def load_family_config(family: str, preset: str = "tiny"):
+    """`configs/<family>.py:<preset>` (configs/ is not a package, so loaded by path)."""
+    path = os.path.join(ROOT, "configs", f"{family}.py")
+    spec = importlib.util.spec_from_file_location(f"nlearn_config_test_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(preset)

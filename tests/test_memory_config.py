@@ -3,6 +3,7 @@
 import pytest
 
 from nlearn.memory_config import neural_memory_config
+from run_helpers import load_family_config
 
 
 @pytest.mark.parametrize("depth, expected", [(1, 0.04), (2, 0.01), (3, 0.04 / 9)])
@@ -23,9 +24,6 @@ def test_explicit_max_lr_wins():
 
 def test_conv_init_choices():
     """Both short-conv inits build; an unknown one is refused naming the key."""
-    import importlib.util
-    import os
-
     import jax.numpy as jnp
     from flax import nnx
 
@@ -38,11 +36,7 @@ def test_conv_init_choices():
     uniform = ShortConv(8, 4, init="uniform", rngs=nnx.Rngs(0)).weight[...]
     assert jnp.all(jnp.abs(uniform) <= 0.5) and float(jnp.std(uniform)) > 0.1
 
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", "deltanet.py")
-    spec = importlib.util.spec_from_file_location("deltanet_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny")
+    config = load_family_config("deltanet")
     config.model.memory.conv_init = "uniform"
     config_lib.validate(config)
     config.model.memory.conv_init = "zeros"

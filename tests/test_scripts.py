@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from run_helpers import load_family_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,14 +20,6 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def load_config(family: str):
-    path = os.path.join(ROOT, "configs", f"{family}.py")
-    spec = importlib.util.spec_from_file_location(f"nlearn_config_test_{family}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config("tiny")
 
 
 def make_default(name: str) -> str:
@@ -64,7 +58,7 @@ def test_make_train_default_is_a_titans_model_with_the_transformer_parameter_cou
 
     model = make_default("MODEL")
     assert model.startswith("titans_")
-    titans, transformer = load_config(model), load_config("transformer")
+    titans, transformer = load_family_config(model), load_family_config("transformer")
     for key in ("batch_size", "seq_len"):  # equal tokens per step for the comparison
         assert titans.train[key] == transformer.train[key]
     ratio = count_params(titans) / count_params(transformer)
