@@ -86,6 +86,23 @@ def table(rows: list[dict], steps: int) -> str:
     return "\n".join(out)
 
 
+def schedule(budget: dict) -> str:
+    ratio = budget.get("min_lr_ratio", 0.0)
+    return ", constant after warmup" if ratio == 1.0 else f", cosine to {ratio:g}x after warmup"
+
+
+def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
+    """', the first N steps on L-token windows with P pairs (...)' for each curriculum stage."""
+    if not spec:
+        return ""
+    from nlearn.data.curriculum import parse_curriculum
+
+    parts = [f"{s.steps} steps of {batch_size * seq_len // s.seq_len} windows of {s.seq_len} tokens "
+             f"with {s.num_pairs} pairs" for s in parse_curriculum(spec, seq_len)]
+    return (" Curriculum: the first " + ", then ".join(parts) + " (the same tokens per step); "
+            "evaluation is on the task only.")
+
+
 def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
     """The sentence above the table: the command, task and budget, from configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
@@ -95,9 +112,10 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
             f"d_model={model['d_model']}, {model['num_heads']} heads, SwiGLU width {model['mlp_dim']}; "
             f"budget: {budget['steps']} steps of {budget['batch_size']} sequences (lr {budget['lr']:g}"
-            f"{', constant after warmup' if budget.get('min_lr_ratio') == 1.0 else ''}) or "
+            f"{schedule(budget)}) or "
             f"{time_limit_s / 60:g} minutes of wall time, whichever comes first. "
-            f"Accuracy over {task['eval_examples']} held-out examples.")
+            f"Accuracy over {task['eval_examples']} held-out examples."
+            f"{curriculum_note(presets.CURRICULUM, budget['batch_size'], task['seq_len'])}")
     if overrides:
         text += " Per-family overrides: " + "; ".join(
             f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in overrides.items()) + "."

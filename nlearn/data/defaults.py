@@ -73,5 +73,8 @@ def data_config() -> ml_collections.ConfigDict:
         "power_a": 0.01,          # query slot s drawn with p ~ (s + 1) ** (power_a - 1)
         "train_examples": 100_000,
         "eval_examples": 1000,
+        # Train first on shorter, easier windows: "64x4:300" = 300 steps of 64-token windows
+        # with 4 pairs (same tokens per step), then the task; see nlearn/data/curriculum.py.
+        "curriculum": "",
     })
     return c

@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from nlearn.data import cache
+from nlearn.data import curriculum
 from nlearn.data import sources
 from nlearn.data import stats as stats_lib
 from nlearn.data.corpus import Corpus
@@ -203,6 +204,13 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     num_workers <= 1; more workers interleave their batches)."""
     d = config.data
     b_local, seq_len = _shape(config, process_count)
+    spec = d.mqar.get("curriculum", "") if d.source == "mqar" and d.get("mqar") else ""
+    if spec:
+        stages = curriculum.parse_curriculum(spec, seq_len)
+        configs = [curriculum.stage_config(config, s) for s in stages] + [curriculum.stage_config(
+            config, curriculum.Stage(seq_len, int(d.mqar.num_pairs), 1))]
+        return curriculum.StagedIterator(stages, lambda i: make_train_iterator(
+            configs[i], process_index=process_index, process_count=process_count))
     if not 0 <= process_index < process_count:
         raise UserError(f"process_index {process_index} not in [0, {process_count})")
     corpus = sources.get_corpus(config)

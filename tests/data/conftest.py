@@ -32,3 +32,20 @@ def token_source():
     SOURCES["test_tokens"] = data_helpers.token_corpus
     yield "test_tokens"
     SOURCES.pop("test_tokens", None)
+
+
+@pytest.fixture
+def mqar_config(make_config):
+    """mqar_config(num_pairs=4, seq_len=64, vocab=128, **mqar_overrides) -> config."""
+
+    def build(num_pairs=4, seq_len=64, vocab=128, batch_size=4, seed=0, **overrides):
+        config = make_config(source="mqar", batch_size=batch_size, seq_len=seq_len, seed=seed,
+                             vocab_size=vocab)
+        config.data.mqar.num_pairs = num_pairs
+        config.data.mqar.train_examples = 1000
+        config.data.mqar.eval_examples = 10
+        for k, v in overrides.items():
+            config.data.mqar[k] = v
+        return config
+
+    return build

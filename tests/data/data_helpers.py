@@ -6,6 +6,8 @@ import ml_collections
 import numpy as np
 
 from nlearn.data import Corpus, data_config
+from nlearn.data import mqar
+from nlearn.data.pipeline import to_lm_batch
 
 WORDS = ("the of and to in a that is for be it by with as on this not which we our have are "
          "congress nation people states government year law public war peace power great "
@@ -66,3 +68,36 @@ def doc_order(stream: np.ndarray) -> list[int]:
     """Document ids of a token-corpus stream, in order (documents end with TOKEN_EOS)."""
     ends = np.flatnonzero(stream == TOKEN_EOS)
     return [int(seg[0]) for seg in np.split(stream, ends + 1) if len(seg) and seg[0] != TOKEN_EOS]
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def check_example(tokens, weights, seq_len, num_pairs, vocab):
+    """Every structural property of one window (see nlearn/data/mqar.py)."""
+    assert tokens.shape == weights.shape == (seq_len + 1,)
+    assert tokens.dtype == np.int32 and weights.dtype == np.float32
+    p2, half = 2 * num_pairs, vocab // 2
+    keys, values = tokens[0:p2:2], tokens[1:p2:2]
+    assert len(set(keys)) == len(set(values)) == num_pairs
+    assert keys.min() >= 1 and keys.max() < half
+    assert values.min() >= half and values.max() < vocab
+    answer = dict(zip(keys.tolist(), values.tolist()))
+    region = tokens[p2:]
+    occupied = np.flatnonzero(region)
+    key_off = occupied[0::2]
+    assert len(occupied) == p2 and np.all(key_off % 2 == 0)  # whole (key, value) slots
+    np.testing.assert_array_equal(occupied[1::2], key_off + 1)
+    assert sorted(region[key_off].tolist()) == sorted(keys.tolist())  # each key queried once
+    assert all(answer[k] == v for k, v in zip(region[key_off], region[key_off + 1]))
+    assert key_off.max() // 2 < mqar.query_slots(seq_len, num_pairs)
+    expected = np.zeros(seq_len + 1, np.float32)
+    expected[p2 + key_off + 1] = 1.0
+    np.testing.assert_array_equal(weights, expected)
+    # Through the pipeline's shift: weighted targets are exactly the answers to queried keys.
+    b = to_lm_batch({"tokens": tokens[None], "weights": weights[None]})
+    hot = b["weights"][0] > 0
+    assert hot.sum() == num_pairs
+    assert np.all(np.flatnonzero(hot) >= p2)  # never in the context pairs
+    assert [answer[k] for k in b["inputs"][0][hot]] == b["targets"][0][hot].tolist()

@@ -8,58 +8,9 @@ import pytest
 
 from nlearn.data import data_config, get_corpus, make_eval_batches, make_train_iterator, vocab_size
 from nlearn.data import mqar
-from nlearn.data.pipeline import to_lm_batch
 from nlearn.errors import UserError
 
-
-def take(it, n):
-    return [next(it) for _ in range(n)]
-
-
-@pytest.fixture
-def mqar_config(make_config):
-    """mqar_config(num_pairs=4, seq_len=64, vocab=128, **mqar_overrides) -> config."""
-
-    def build(num_pairs=4, seq_len=64, vocab=128, batch_size=4, seed=0, **overrides):
-        config = make_config(source="mqar", batch_size=batch_size, seq_len=seq_len, seed=seed,
-                             vocab_size=vocab)
-        config.data.mqar.num_pairs = num_pairs
-        config.data.mqar.train_examples = 1000
-        config.data.mqar.eval_examples = 10
-        for k, v in overrides.items():
-            config.data.mqar[k] = v
-        return config
-
-    return build
-
-
-def check_example(tokens, weights, seq_len, num_pairs, vocab):
-    """Every structural property of one window (see nlearn/data/mqar.py)."""
-    assert tokens.shape == weights.shape == (seq_len + 1,)
-    assert tokens.dtype == np.int32 and weights.dtype == np.float32
-    p2, half = 2 * num_pairs, vocab // 2
-    keys, values = tokens[0:p2:2], tokens[1:p2:2]
-    assert len(set(keys)) == len(set(values)) == num_pairs
-    assert keys.min() >= 1 and keys.max() < half
-    assert values.min() >= half and values.max() < vocab
-    answer = dict(zip(keys.tolist(), values.tolist()))
-    region = tokens[p2:]
-    occupied = np.flatnonzero(region)
-    key_off = occupied[0::2]
-    assert len(occupied) == p2 and np.all(key_off % 2 == 0)  # whole (key, value) slots
-    np.testing.assert_array_equal(occupied[1::2], key_off + 1)
-    assert sorted(region[key_off].tolist()) == sorted(keys.tolist())  # each key queried once
-    assert all(answer[k] == v for k, v in zip(region[key_off], region[key_off + 1]))
-    assert key_off.max() // 2 < mqar.query_slots(seq_len, num_pairs)
-    expected = np.zeros(seq_len + 1, np.float32)
-    expected[p2 + key_off + 1] = 1.0
-    np.testing.assert_array_equal(weights, expected)
-    # Through the pipeline's shift: weighted targets are exactly the answers to queried keys.
-    b = to_lm_batch({"tokens": tokens[None], "weights": weights[None]})
-    hot = b["weights"][0] > 0
-    assert hot.sum() == num_pairs
-    assert np.all(np.flatnonzero(hot) >= p2)  # never in the context pairs
-    assert [answer[k] for k in b["inputs"][0][hot]] == b["targets"][0][hot].tolist()
+from data_helpers import check_example, take
 
 
 @pytest.mark.parametrize("seq_len,num_pairs,vocab", [

@@ -40,7 +40,8 @@ def test_every_family_gets_the_common_task_and_budget(presets):
         assert c.data.eval_tokens == 0  # every eval example is scored
         assert c.model.mlp_dim == presets.MODEL["mlp_dim"]
         seen.add((c.train.seq_len, c.data.mqar.num_pairs, c.data.vocab_size, c.model.d_model,
-                  c.model.num_heads, c.train.batch_size, c.train.steps, c.train.lr))
+                  c.model.num_heads, c.train.batch_size, c.train.steps, c.train.lr,
+                  c.data.mqar.curriculum))
     assert len(seen) == 1
     assert presets.TIME_LIMIT_S <= 600
 
@@ -78,4 +79,8 @@ def test_table_and_note():
     assert "failed: boom" in lines[4]
     text = script.note(script.mqar_presets(), ["deltanet"], 600, "1.0")
     assert "T=256" in text and "16 pairs" in text and "10 minutes" in text
+    assert script.curriculum_note("", 16, 256) == ""
+    assert script.curriculum_note("64x4:300,128x8:50", 16, 256) == (
+        " Curriculum: the first 300 steps of 64 windows of 64 tokens with 4 pairs, then 50 steps of "
+        "32 windows of 128 tokens with 8 pairs (the same tokens per step); evaluation is on the task only.")
     assert script.last_json('log\n{"step": 3, "mqar_accuracy": 0.5}\n') == {"step": 3, "mqar_accuracy": 0.5}
