@@ -55,8 +55,7 @@ def test_family_overrides_apply(presets):
                 node = node[part]
             assert node == value, (family, key)
     lmm = presets.get_config("titans_lmm")
-    if lmm.model.memory.depth == 1:
-        assert lmm.model.memory.max_lr == pytest.approx(0.04)  # max_lr still follows the depth
+    assert lmm.model.memory.depth == 1 and lmm.model.memory.max_lr == pytest.approx(0.2)
 
 
 def test_unknown_family_names_the_valid_ones(presets):
