@@ -1,7 +1,9 @@
 """MQAR (multi-query associative recall, Zoology) for any family: `configs/mqar.py:<family>`.
 
 One common task and budget for every family: T=256 tokens holding 16 key-value pairs then their
-queries, loss only on the answers, 2 layers, d_model=128, trained for BUDGET["steps"] steps.
+queries, loss only on the answers, 2 layers, d_model=128, trained for BUDGET["steps"] steps, the
+first CURRICULUM steps on shorter windows with fewer pairs (Zoology-style; evaluation is always on
+the task itself).
 `make mqar` (scripts/mqar.py) also stops a run at TIME_LIMIT_S of wall time (the trainer saves a
 checkpoint on SIGTERM, which is then scored), so every family trains for at most 10 minutes.
 

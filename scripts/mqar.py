@@ -10,6 +10,7 @@ the training process's wall time (start-up and compilation included) and the ste
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -32,6 +33,13 @@ def mqar_presets():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def preset_fingerprint(presets, family: str, extra: list[str]) -> str:
+    """A short hash of the family's resolved MQAR config plus extra overrides: `--reuse` keeps a
+    row only when it was trained from the same preset."""
+    config = json.dumps(presets.get_config(family).to_dict(), sort_keys=True, default=str)
+    return hashlib.sha1((config + "\0" + "\0".join(extra)).encode()).hexdigest()[:12]
 
 
 def last_json(text: str) -> dict:
@@ -130,7 +138,8 @@ def main():
                         help="seconds of wall time per family (default: configs/mqar.py TIME_LIMIT_S)")
     parser.add_argument("--no-readme", action="store_true", help="print the table only")
     parser.add_argument("--reuse", action="store_true",
-                        help="keep the row of a family whose workdir already holds row.json (no retraining)")
+                        help="keep the row of a family whose workdir holds a row.json trained from the "
+                             "same preset (no retraining)")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
     presets = mqar_presets()
@@ -140,12 +149,17 @@ def main():
     for family in families:
         workdir = os.path.join(args.workdir, family)
         row_path = os.path.join(workdir, "row.json")
-        if args.reuse and os.path.exists(row_path):
-            rows.append(json.load(open(row_path)))
+        fingerprint = preset_fingerprint(presets, family, args.overrides)
+        row = json.load(open(row_path)) if args.reuse and os.path.exists(row_path) else None
+        if row is not None and row.get("preset") != fingerprint:
+            print(f"{row_path} was trained from another preset; training {family} again", flush=True)
+            row = None
+        if row is not None:
+            rows.append(row)
             reused.append(family)
         else:
             subprocess.run(["rm", "-rf", workdir])
-            rows.append(run_family(family, workdir, args.overrides, limit))
+            rows.append({**run_family(family, workdir, args.overrides, limit), "preset": fingerprint})
             os.makedirs(workdir, exist_ok=True)
             with open(row_path, "w") as f:
                 json.dump(rows[-1], f)

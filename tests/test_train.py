@@ -147,8 +147,8 @@ def test_sharded_run_matches_single_device(tmp_path, cache_dir, text_corpus, ref
 
 
 def test_mqar_curriculum_run_resumes_across_the_stage_change(tmp_path):
-    """A curriculum changes the batch shape mid-run (one more compile); stopping inside the first
-    stage and restarting ends exactly where an uninterrupted run does."""
+    """A curriculum changes the batch shape mid-run (one more compile); a run that ends inside the
+    first stage and is then extended ends exactly where an uninterrupted run does."""
     def cmd(workdir, steps):
         return ["--config=configs/mqar.py:deltanet", f"--workdir={workdir}", *[
             f"--config.{k}={v}" for k, v in {
@@ -156,6 +156,7 @@ def test_mqar_curriculum_run_resumes_across_the_stage_change(tmp_path):
                 "train.seq_len": 32, "train.batch_size": 2, "train.steps": steps, "train.log_every": 2,
                 "data.mqar.num_pairs": 4, "data.mqar.eval_examples": 8, "data.mqar.curriculum": "16x2:3",
                 "checkpoint.every_steps": 2, "train.peak_gflops": 100.0,
+                "train.min_lr_ratio": 1.0, "train.warmup_steps": 1,  # an lr that ignores train.steps
                 "logging.wandb_mode": "disabled"}.items()]]
 
     straight = run_cli("train", *cmd(tmp_path / "straight", 5))

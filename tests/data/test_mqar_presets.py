@@ -78,6 +78,11 @@ def test_table_and_note():
     assert "failed: boom" in lines[4]
     text = script.note(script.mqar_presets(), ["deltanet"], 600, "1.0")
     assert "T=256" in text and "16 pairs" in text and "10 minutes" in text
+    presets = script.mqar_presets()
+    fp = script.preset_fingerprint(presets, "deltanet", [])
+    assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
+    assert fp != script.preset_fingerprint(presets, "titans_lmm", [])
+    assert fp != script.preset_fingerprint(presets, "deltanet", ["--config.train.steps=10"])
     assert script.curriculum_note("", 16, 256) == ""
     assert script.curriculum_note("64x4:300,128x8:50", 16, 256) == (
         " Curriculum: the first 300 steps of 64 windows of 64 tokens with 4 pairs, then 50 steps of "
