@@ -22,6 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from nlearn.data.curriculum import parse_curriculum  # noqa: E402
 from nlearn.utils.readme import replace_section  # noqa: E402
 
 DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "linear_attention", "transformer")
@@ -100,11 +101,9 @@ def schedule(budget: dict) -> str:
 
 
 def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
-    """', the first N steps on L-token windows with P pairs (...)' for each curriculum stage."""
+    """' Curriculum: the first N steps of B windows of L tokens with P pairs, then ...' (or '')."""
     if not spec:
         return ""
-    from nlearn.data.curriculum import parse_curriculum
-
     parts = [f"{s.steps} steps of {batch_size * seq_len // s.seq_len} windows of {s.seq_len} tokens "
              f"with {s.num_pairs} pairs" for s in parse_curriculum(spec, seq_len)]
     return (" Curriculum: the first " + ", then ".join(parts) + " (the same tokens per step); "

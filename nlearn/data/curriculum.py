@@ -56,13 +56,13 @@ def parse_curriculum(spec: str, seq_len: int) -> list[Stage]:
     return stages
 
 
-def stage_config(config: ml_collections.ConfigDict, stage: Stage) -> ml_collections.ConfigDict:
-    """The config of one stage: its window length and pair count, the same tokens per step."""
+def stage_config(config: ml_collections.ConfigDict, seq_len: int, num_pairs: int) -> ml_collections.ConfigDict:
+    """The config of one stage (no curriculum of its own): windows of seq_len tokens with
+    num_pairs pairs, at the tokens per step of config."""
     c = ml_collections.ConfigDict(config.to_dict())
-    scale = int(config.train.seq_len) // stage.seq_len
-    c.train.seq_len = stage.seq_len
-    c.train.batch_size = int(config.train.batch_size) * scale
-    c.data.mqar.num_pairs = stage.num_pairs
+    c.train.batch_size = int(config.train.batch_size) * (int(config.train.seq_len) // seq_len)
+    c.train.seq_len = seq_len
+    c.data.mqar.num_pairs = num_pairs
     c.data.mqar.curriculum = ""
     return c
 
