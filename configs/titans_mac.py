@@ -11,8 +11,11 @@ from nlearn.memory_config import neural_memory_config
 from nlearn.presets import family_config
 
 # Not given in the Titans paper (chosen here): segment length C and N_p persistent tokens.
-TINY = dict(segment_len=64, num_persistent=4)
-PAPER = dict(segment_len=512, num_persistent=16)
+# attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
+# mac_output: how y and the memory's read combine, "add" or "gate" (nlearn.layers.titans.MACMixer).
+SHARED = dict(attn_conv_size=4, mac_output="add")
+TINY = dict(segment_len=64, num_persistent=4, **SHARED)
+PAPER = dict(segment_len=512, num_persistent=16, **SHARED)
 
 PRESETS = {
     "tiny": dict(d_model=256, num_layers=4, num_heads=4, **TINY),

@@ -11,8 +11,9 @@ from nlearn.memory_config import neural_memory_config
 from nlearn.presets import family_config
 
 # Not given in the Titans paper (chosen here): attention window and N_p persistent tokens.
-TINY = dict(window=64, num_persistent=4)
-PAPER = dict(window=512, num_persistent=16)
+# attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
+TINY = dict(window=64, num_persistent=4, attn_conv_size=4)
+PAPER = dict(window=512, num_persistent=16, attn_conv_size=4)
 
 PRESETS = {
     "tiny": dict(d_model=256, num_layers=4, num_heads=4, **TINY),

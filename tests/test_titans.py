@@ -61,8 +61,9 @@ def test_local_attention_equals_masked_dense(t, window, prefix):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
 
 
-def test_full_attention_with_persistent_tokens_decodes_like_the_full_forward():
-    attn = Attention(16, 2, 8, num_persistent=3, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("conv_size", [0, 3])
+def test_full_attention_with_persistent_tokens_decodes_like_the_full_forward(conv_size):
+    attn = Attention(16, 2, 8, num_persistent=3, conv_size=conv_size, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(attn)
     call = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))
     x = normal(np.random.default_rng(2), (2, 8, 16))
@@ -109,10 +110,13 @@ def test_mac_retrieval_depends_only_on_earlier_segments():
 SCHEDULE = [6, 1, 1, 6, 1, 6]
 
 
-@pytest.mark.parametrize("family,minibatch", [("titans_mac", 2), ("titans_mac", 3), ("titans_mag", 4),
-                                              ("titans_mal", 4)])
-def test_causal_and_decoding_equals_full_forward_across_segments(family, minibatch):
-    config = small(family, segment_len=4)
+@pytest.mark.parametrize("family,minibatch,model", [
+    ("titans_mac", 2, {}), ("titans_mac", 3, {}), ("titans_mag", 4, {}), ("titans_mal", 4, {}),
+    # Eq. 25's gate, and no attention convs (the presets add the read and use convs of 4).
+    ("titans_mac", 2, dict(mac_output="gate", attn_conv_size=0)),
+])
+def test_causal_and_decoding_equals_full_forward_across_segments(family, minibatch, model):
+    config = small(family, segment_len=4, **model)
     with config.unlocked():
         config.model.memory.minibatch = minibatch  # 3 does not divide the segment length 4
     module = models.build(config)
@@ -166,7 +170,7 @@ def test_presets_have_named_sizes(family):
 @pytest.mark.parametrize("family,key,value", [
     ("titans_mac", "segment_len", 0), ("titans_mac", "num_persistent", -1), ("titans_mac", "window", 16),
     ("titans_mag", "window", 0), ("titans_mal", "window", 0), ("titans_mal", "num_persistent", -2),
-    ("titans_mag", "head_dim", 7),
+    ("titans_mag", "head_dim", 7), ("titans_mac", "mac_output", "mul"), ("titans_mal", "attn_conv_size", -1),
 ])
 def test_invalid_values_are_refused(family, key, value):
     config = small(family, **{key: value})

@@ -11,6 +11,10 @@ Persistent memory (Titans eq. 19): `num_persistent` learned, input-independent v
 per layer. They go through the layer's own k/v projections (no RoPE: they have no position) and
 are keys/values visible to every query, prepended to the sequence; they are never evicted from the
 cache (they are parameters, recomputed at each call, so the cache does not hold them).
+
+`conv_size > 0` puts a short causal depthwise conv after each of the q, k, v projections (Titans
+§4.4 does so for its architectures); the cache then also holds the last `conv_size - 1`
+projections, so decoding still matches the full forward.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nlearn.layers.conv import ShortConv
 from nlearn.layers.core import Dense, param
 from nlearn.layers.rope import apply_rope
 
@@ -91,7 +96,7 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, window: int = 0,
                  num_persistent: int = 0, rope_theta: float = 10000.0, std: float = 0.02,
-                 out_std: float = 0.02, out_proj: bool = True, rngs: nnx.Rngs):
+                 out_std: float = 0.02, out_proj: bool = True, conv_size: int = 0, rngs: nnx.Rngs):
         self.num_heads, self.head_dim, self.window, self.rope_theta = num_heads, head_dim, window, rope_theta
         width = num_heads * head_dim
         self.q = Dense(d_model, width, axes=("embed", "heads"), std=std, rngs=rngs)
@@ -100,21 +105,39 @@ class Attention(nnx.Module):
         self.o = Dense(width, d_model, axes=("heads", "embed"), std=out_std, rngs=rngs) if out_proj else None
         # Unit scale, like the RMS-normalised token inputs the projections see.
         self.persistent = param(rngs, (num_persistent, d_model), (None, "embed"), std=1.0) if num_persistent else None
+        self.convs = nnx.List([ShortConv(width, conv_size, rngs=rngs) for _ in range(3)]) if conv_size else None
 
     def _heads(self, proj, x):
         b, t, _ = x.shape
         return proj(x).reshape(b, t, self.num_heads, self.head_dim)
 
-    def query(self, x_BTD, pos_T):
-        """RoPE'd queries `[B, T, H, K]` of tokens at absolute positions `pos_T`."""
-        b, t, _ = x_BTD.shape
-        return apply_rope(self._heads(self.q, x_BTD), jnp.broadcast_to(pos_T, (b, t)), self.rope_theta)
-
     def key_value(self, x_BTD, pos_T):
-        """RoPE'd keys and values `[B, T, H, K]` of tokens at absolute positions `pos_T`."""
+        """RoPE'd keys and values `[B, T, H, K]` of tokens at absolute positions `pos_T` (no conv:
+        for entries that are not a stream, e.g. Titans MAC's retrieved tokens)."""
         b, t, _ = x_BTD.shape
         k = apply_rope(self._heads(self.k, x_BTD), jnp.broadcast_to(pos_T, (b, t)), self.rope_theta)
         return k, self._heads(self.v, x_BTD)
+
+    def init_conv_cache(self, batch: int, dtype=jnp.float32) -> list:
+        """The q, k, v convs' caches (the last conv_size - 1 projections; [] without convs)."""
+        width = self.num_heads * self.head_dim
+        return [conv.init_cache(batch, width, dtype) for conv in self.convs] if self.convs is not None else []
+
+    def qkv(self, x_BTD, pos_T, conv_cache=None):
+        """RoPE'd queries, keys and values `[B, T, H, K]` of the stream tokens at `pos_T`, after
+        the convs (which continue from `conv_cache` when given), and the new conv cache."""
+        b, t, _ = x_BTD.shape
+        heads, new_cache = [], []
+        for i, proj in enumerate((self.q, self.k, self.v)):
+            h = proj(x_BTD)
+            if self.convs is not None:
+                h, c = self.convs[i](h, None if conv_cache is None else conv_cache[i])
+                new_cache.append(c)
+            heads.append(h.reshape(b, t, self.num_heads, self.head_dim))
+        pos = jnp.broadcast_to(pos_T, (b, t))
+        q, k, v = heads
+        return (apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta), v,
+                None if conv_cache is None else new_cache)
 
     def persistent_kv(self, batch: int, dtype):
         """Keys and values `[B, N_p, H, K]` of the persistent tokens (no RoPE), or None."""
@@ -133,7 +156,7 @@ class Attention(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         slots = self.window if self.window else max_len
         shape = (batch, slots, self.num_heads, self.head_dim)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "convs": self.init_conv_cache(batch, dtype),
                 "slot_pos": jnp.full((slots,), -1, jnp.int32), "next": jnp.zeros((), jnp.int32)}
 
     def heads(self, x_BTD, cache=None):
@@ -141,8 +164,7 @@ class Attention(nnx.Module):
         b, t, _ = x_BTD.shape
         start = 0 if cache is None else cache["next"]
         pos_T = start + jnp.arange(t, dtype=jnp.int32)
-        q = self.query(x_BTD, pos_T)
-        k, v = self.key_value(x_BTD, pos_T)
+        q, k, v, convs = self.qkv(x_BTD, pos_T, None if cache is None else cache["convs"])
         pkv = self.persistent_kv(b, k.dtype)
         if cache is None:
             if self.window:
@@ -168,6 +190,7 @@ class Attention(nnx.Module):
             "k": cache["k"].at[:, idx].set(k[:, -keep:].astype(cache["k"].dtype)),
             "v": cache["v"].at[:, idx].set(v[:, -keep:].astype(cache["v"].dtype)),
             "slot_pos": cache["slot_pos"].at[idx].set(pos_T[-keep:]),
+            "convs": convs,
             "next": start + t,
         }
         return y, new_cache

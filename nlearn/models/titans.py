@@ -2,7 +2,9 @@
 
 The shared backbone (`nlearn.models.lm`) with a Titans mixer in every block; the mixers live in
 `nlearn.layers.titans`. Config keys beyond the memory section: `model.num_persistent` (all three),
-`model.segment_len` (MAC), `model.window` (MAG, MAL: the sliding window, > 0).
+`model.segment_len` (MAC), `model.window` (MAG, MAL: the sliding window, > 0), `model.attn_conv_size`
+(all three: short convs on the attention's q, k, v; 0 disables), `model.mac_output` (MAC: "add" or
+"gate", how the attention output and the memory's read combine).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from nlearn.errors import UserError
 from nlearn.layers.titans import MACMixer, MAGMixer, MALMixer
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
+
+MAC_OUTPUTS = ("add", "gate")
 
 
 def _fail(key: str, value, why: str):
@@ -32,11 +36,15 @@ def _validate_common(config) -> None:
     if head_dim % 2:
         _fail("head_dim", head_dim, "RoPE needs an even head dimension")
     _int_at_least(model, "num_persistent", 0)
+    if "attn_conv_size" in model:  # configs saved before the key have no convs
+        _int_at_least(model, "attn_conv_size", 0)
 
 
 def validate_mac(config) -> None:
     _validate_common(config)
     _int_at_least(config.model, "segment_len", 1)
+    if config.model.get("mac_output", "gate") not in MAC_OUTPUTS:
+        _fail("mac_output", config.model.mac_output, f"valid choices: {', '.join(MAC_OUTPUTS)}")
     if config.model.window:
         _fail("window", config.model.window, "titans_mac attends within segments; set model.segment_len "
               "instead (model.window must be 0)")
