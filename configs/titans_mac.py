@@ -1,10 +1,12 @@
 """Titans MAC (memory as a context): per segment of `model.segment_len` tokens, attention over
-[persistent ‖ memory retrieval ‖ segment], then the memory learns from the attention output.
+[persistent ‖ memory retrieval ‖ segment], then the memory learns from the attention output (with
+its residual) and its read is added to it.
 
 Presets: tiny, 170m, 340m, 400m, 760m (Titans paper sizes; 32k vocabulary, untied head).
   nlearn-train --config=configs/titans_mac.py:tiny --workdir=runs/mac
 Ablate with one override: --config.model.segment_len=32, --config.model.num_persistent=0,
---config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
+--config.model.mac_output=gate, --config.model.attn_conv_size=0, --config.model.memory.optimizer=sgd,
+.minibatch=4, .depth=1, .decay=False.
 """
 
 from nlearn.memory_config import neural_memory_config

@@ -3,7 +3,7 @@
 
 Presets: tiny, 170m, 340m, 400m, 760m (Titans paper sizes; 32k vocabulary, untied head).
   nlearn-train --config=configs/titans_mal.py:tiny --workdir=runs/mal
-Ablate with one override: --config.model.window=32, --config.model.num_persistent=0,
+Ablate with one override: --config.model.window=32, --config.model.num_persistent=0, --config.model.attn_conv_size=0,
 --config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
 """
 
