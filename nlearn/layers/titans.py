@@ -49,6 +49,14 @@ def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> At
                      conv_size=cfg.get("attn_conv_size", 0), rngs=rngs)  # configs saved before the key: 0
 
 
+MAC_OUTPUTS = ("add", "gate")  # how MAC combines the attention output and the memory's read
+
+
+def mac_output(cfg) -> str:
+    """`model.mac_output`; configs saved before the key had the gate."""
+    return cfg.get("mac_output", "gate")
+
+
 def _select(flag, a, b):
     """`a` where the scalar `flag` holds, else `b` (leaf by leaf)."""
     return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
@@ -103,7 +111,7 @@ class MACMixer(nnx.Module):
         self.retrieved_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lmm_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
-        self.combine = cfg.get("mac_output", "gate")  # configs saved before the key: the gate
+        self.combine = mac_output(cfg)
         self.gate_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs) if self.combine == "gate" else None
 
     # --- pieces shared by training and decoding -----------------------------------------------

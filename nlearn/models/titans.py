@@ -10,11 +10,9 @@ The shared backbone (`nlearn.models.lm`) with a Titans mixer in every block; the
 from __future__ import annotations
 
 from nlearn.errors import UserError
-from nlearn.layers.titans import MACMixer, MAGMixer, MALMixer
+from nlearn.layers.titans import MAC_OUTPUTS, MACMixer, MAGMixer, MALMixer, mac_output
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
-
-MAC_OUTPUTS = ("add", "gate")
 
 
 def _fail(key: str, value, why: str):
@@ -43,7 +41,7 @@ def _validate_common(config) -> None:
 def validate_mac(config) -> None:
     _validate_common(config)
     _int_at_least(config.model, "segment_len", 1)
-    if config.model.get("mac_output", "gate") not in MAC_OUTPUTS:
+    if mac_output(config.model) not in MAC_OUTPUTS:
         _fail("mac_output", config.model.mac_output, f"valid choices: {', '.join(MAC_OUTPUTS)}")
     if config.model.window:
         _fail("window", config.model.window, "titans_mac attends within segments; set model.segment_len "
