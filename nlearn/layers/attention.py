@@ -111,12 +111,14 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         return proj(x).reshape(b, t, self.num_heads, self.head_dim)
 
+    def _rope(self, x_BTHK, pos_T):
+        b, t = x_BTHK.shape[:2]
+        return apply_rope(x_BTHK, jnp.broadcast_to(pos_T, (b, t)), self.rope_theta)
+
     def key_value(self, x_BTD, pos_T):
         """RoPE'd keys and values `[B, T, H, K]` of tokens at absolute positions `pos_T` (no conv:
         for entries that are not a stream, e.g. Titans MAC's retrieved tokens)."""
-        b, t, _ = x_BTD.shape
-        k = apply_rope(self._heads(self.k, x_BTD), jnp.broadcast_to(pos_T, (b, t)), self.rope_theta)
-        return k, self._heads(self.v, x_BTD)
+        return self._rope(self._heads(self.k, x_BTD), pos_T), self._heads(self.v, x_BTD)
 
     def init_conv_cache(self, batch: int, dtype=jnp.float32) -> list:
         """The q, k, v convs' caches (the last conv_size - 1 projections; [] without convs)."""
@@ -134,10 +136,8 @@ class Attention(nnx.Module):
                 h, c = self.convs[i](h, None if conv_cache is None else conv_cache[i])
                 new_cache.append(c)
             heads.append(h.reshape(b, t, self.num_heads, self.head_dim))
-        pos = jnp.broadcast_to(pos_T, (b, t))
         q, k, v = heads
-        return (apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta), v,
-                None if conv_cache is None else new_cache)
+        return self._rope(q, pos_T), self._rope(k, pos_T), v, None if conv_cache is None else new_cache
 
     def persistent_kv(self, batch: int, dtype):
         """Keys and values `[B, N_p, H, K]` of the persistent tokens (no RoPE), or None."""
