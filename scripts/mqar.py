@@ -84,12 +84,14 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
 
 
 def table(rows: list[dict], steps: int) -> str:
+    """The README table; `steps` is the common budget, for rows that do not carry their own."""
     out = ["| family | MQAR accuracy | parameters | training time | steps |", "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['family']} | failed: {r['error']} | | | |")
         else:
-            reached = f"{r['step']} of {steps}" + (" (time limit)" if r["stopped_at_limit"] else "")
+            total = r.get("steps_total", steps)
+            reached = f"{r['step']} of {total}" + (" (time limit)" if r["stopped_at_limit"] else "")
             out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {r['params_m']:.2f}M | "
                        f"{r['train_seconds'] / 60:.1f} min | {reached} |")
     return "\n".join(out)
@@ -114,6 +116,7 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
     """The sentence above the table: the command, task and budget, from configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
     overrides = {f: presets.FAMILY_OVERRIDES[f] for f in families if f in presets.FAMILY_OVERRIDES}
+    training = {f: presets.FAMILY_TRAINING[f] for f in families if f in presets.FAMILY_TRAINING}
     text = (f"Made by `make mqar` (`python scripts/mqar.py --families={','.join(families)}`) on this repo's "
             f"2-core CPU (load average {load} at the end). Task: T={task['seq_len']}, {task['num_pairs']} "
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
@@ -126,6 +129,9 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
     if overrides:
         text += " Per-family overrides: " + "; ".join(
             f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in overrides.items()) + "."
+    if training:
+        text += " Per-family training: " + "; ".join(
+            f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in training.items()) + "."
     return text
 
 
@@ -158,7 +164,10 @@ def main():
             reused.append(family)
         else:
             subprocess.run(["rm", "-rf", workdir])
-            rows.append({**run_family(family, workdir, args.overrides, limit), "preset": fingerprint})
+            steps_total = next((int(o.split("=", 1)[1]) for o in args.overrides
+                                if o.startswith("--config.train.steps=")), presets.get_config(family).train.steps)
+            rows.append({**run_family(family, workdir, args.overrides, limit), "preset": fingerprint,
+                         "steps_total": steps_total})
             os.makedirs(workdir, exist_ok=True)
             with open(row_path, "w") as f:
                 json.dump(rows[-1], f)

@@ -28,8 +28,18 @@ def families():
                   if f.endswith(".py") and f != "mqar.py")
 
 
+def lookup(config, key: str):
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
 def test_every_family_gets_the_common_task_and_budget(presets):
-    seen = set()
+    common = {"train.seq_len": presets.TASK["seq_len"], "data.mqar.num_pairs": presets.TASK["num_pairs"],
+              "data.vocab_size": presets.TASK["vocab_size"], "model.d_model": presets.MODEL["d_model"],
+              "model.num_heads": presets.MODEL["num_heads"], "model.mlp_dim": presets.MODEL["mlp_dim"],
+              "train.batch_size": presets.BUDGET["batch_size"], "train.steps": presets.BUDGET["steps"],
+              "train.lr": presets.BUDGET["lr"], "data.mqar.curriculum": presets.CURRICULUM}
     for family in families():
         c = presets.get_config(family)
         config_lib.validate(c)
@@ -38,12 +48,20 @@ def test_every_family_gets_the_common_task_and_budget(presets):
         assert c.model.num_layers == 2 and c.model.d_model <= 128
         assert c.model.vocab_size == c.data.vocab_size == presets.TASK["vocab_size"]
         assert c.data.eval_tokens == 0  # every eval example is scored
-        assert c.model.mlp_dim == presets.MODEL["mlp_dim"]
-        seen.add((c.train.seq_len, c.data.mqar.num_pairs, c.data.vocab_size, c.model.d_model,
-                  c.model.num_heads, c.train.batch_size, c.train.steps, c.train.lr,
-                  c.data.mqar.curriculum))
-    assert len(seen) == 1
+        # A family departs from the common budget only where FAMILY_TRAINING says so.
+        own = presets.FAMILY_TRAINING.get(family, {})
+        for key, value in common.items():
+            assert lookup(c, key) == own.get(key, value), (family, key)
+    for family, own in presets.FAMILY_TRAINING.items():
+        c = presets.get_config(family)
+        assert all(lookup(c, key) == value for key, value in own.items())
+        assert not set(own) & {"train.seq_len", "data.mqar.num_pairs", "data.vocab_size"}  # the task stays
     assert presets.TIME_LIMIT_S <= 600
+
+
+def test_override_typos_are_refused(presets):
+    with pytest.raises(KeyError, match="no_such_key"):
+        presets._set(presets.get_config("deltanet"), "train.no_such_key", 1)
 
 
 def test_family_overrides_apply(presets):
@@ -71,13 +89,21 @@ def test_table_and_note():
              "step": 1000, "stopped_at_limit": False},
             {"family": "titans_mac", "accuracy": 0.5, "params_m": 0.86, "train_seconds": 600.0,
              "step": 120, "stopped_at_limit": True},
-            {"family": "ttt_mlp", "error": "boom"}]
+            {"family": "ttt_mlp", "error": "boom"},
+            {"family": "titans_mag", "accuracy": 0.9, "params_m": 0.5, "train_seconds": 540.0,
+             "step": 700, "stopped_at_limit": False, "steps_total": 700}]  # its own step budget
     lines = script.table(rows, 1000).splitlines()
     assert lines[2] == "| deltanet | 99.5% | 0.53M | 5.0 min | 1000 of 1000 |"
     assert lines[3] == "| titans_mac | 50.0% | 0.86M | 10.0 min | 120 of 1000 (time limit) |"
     assert "failed: boom" in lines[4]
+    assert lines[5].endswith("| 700 of 700 |")
     text = script.note(script.mqar_presets(), ["deltanet"], 600, "1.0")
     assert "T=256" in text and "16 pairs" in text and "10 minutes" in text
+    assert "Per-family training" not in text
+    presets = script.mqar_presets()
+    text = script.note(presets, ["deltanet", *presets.FAMILY_TRAINING], 600, "1.0")
+    for family, own in presets.FAMILY_TRAINING.items():
+        assert f"{family}: " + ", ".join(f"{k}={v}" for k, v in own.items()) in text
     presets = script.mqar_presets()
     fp = script.preset_fingerprint(presets, "deltanet", [])
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
