@@ -115,8 +115,6 @@ def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
 def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
     """The sentence above the table: the command, task and budget, from configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
-    overrides = {f: presets.FAMILY_OVERRIDES[f] for f in families if f in presets.FAMILY_OVERRIDES}
-    training = {f: presets.FAMILY_TRAINING[f] for f in families if f in presets.FAMILY_TRAINING}
     text = (f"Made by `make mqar` (`python scripts/mqar.py --families={','.join(families)}`) on this repo's "
             f"2-core CPU (load average {load} at the end). Task: T={task['seq_len']}, {task['num_pairs']} "
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
@@ -126,13 +124,17 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
             f"{time_limit_s / 60:g} minutes of wall time, whichever comes first. "
             f"Accuracy over {task['eval_examples']} held-out examples."
             f"{curriculum_note(presets.CURRICULUM, budget['batch_size'], task['seq_len'])}")
-    if overrides:
-        text += " Per-family overrides: " + "; ".join(
-            f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in overrides.items()) + "."
-    if training:
-        text += " Per-family training: " + "; ".join(
-            f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in training.items()) + "."
-    return text
+    text += per_family("Per-family overrides", presets.FAMILY_OVERRIDES, families)
+    return text + per_family("Per-family training", presets.FAMILY_TRAINING, families)
+
+
+def per_family(label: str, by_family: dict[str, dict], families: list[str]) -> str:
+    """' <label>: family: key=value, ...; ...' for those of `families` that have any, else ''."""
+    chosen = {f: by_family[f] for f in families if f in by_family}
+    if not chosen:
+        return ""
+    return f" {label}: " + "; ".join(
+        f"{f}: {', '.join(f'{k}={v}' for k, v in o.items())}" for f, o in chosen.items()) + "."
 
 
 def main():
