@@ -79,8 +79,11 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
         if ev.returncode != 0:
             return {"family": family, "error": (ev.stderr.strip().splitlines() or ["?"])[-1]}
         result = last_json(ev.stdout)
+    with open(os.path.join(workdir, "config.json")) as f:  # the run's resolved config, overrides included
+        steps_total = int(json.load(f)["train"]["steps"])
     return {"family": family, "accuracy": result["mqar_accuracy"], "params_m": float(params),
-            "train_seconds": seconds, "step": int(result["step"]), "stopped_at_limit": stopped}
+            "train_seconds": seconds, "step": int(result["step"]), "stopped_at_limit": stopped,
+            "steps_total": steps_total}
 
 
 def table(rows: list[dict], steps: int) -> str:
@@ -166,10 +169,7 @@ def main():
             reused.append(family)
         else:
             subprocess.run(["rm", "-rf", workdir])
-            steps_total = next((int(o.split("=", 1)[1]) for o in args.overrides
-                                if o.startswith("--config.train.steps=")), presets.get_config(family).train.steps)
-            rows.append({**run_family(family, workdir, args.overrides, limit), "preset": fingerprint,
-                         "steps_total": steps_total})
+            rows.append({**run_family(family, workdir, args.overrides, limit), "preset": fingerprint})
             os.makedirs(workdir, exist_ok=True)
             with open(row_path, "w") as f:
                 json.dump(rows[-1], f)

@@ -68,10 +68,7 @@ def test_family_overrides_apply(presets):
     for family, overrides in presets.FAMILY_OVERRIDES.items():
         c = presets.get_config(family)
         for key, value in overrides.items():
-            node = c.model
-            for part in key.split("."):
-                node = node[part]
-            assert node == value, (family, key)
+            assert lookup(c.model, key) == value, (family, key)
     lmm = presets.get_config("titans_lmm")
     assert lmm.model.memory.depth == 1 and lmm.model.memory.max_lr == pytest.approx(0.2)
 
@@ -104,7 +101,6 @@ def test_table_and_note():
     text = script.note(presets, ["deltanet", *presets.FAMILY_TRAINING], 600, "1.0")
     for family, own in presets.FAMILY_TRAINING.items():
         assert f"{family}: " + ", ".join(f"{k}={v}" for k, v in own.items()) in text
-    presets = script.mqar_presets()
     fp = script.preset_fingerprint(presets, "deltanet", [])
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
     assert fp != script.preset_fingerprint(presets, "titans_lmm", [])
