@@ -58,7 +58,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seq_len = 256
     c.train.seed = 0
     c.train.lr = 3e-3
-    c.train.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
+    c.train.min_lr_ratio = 0.1  # the schedule decays to lr * min_lr_ratio
+    c.train.schedule = "cosine"  # after warmup: "cosine", or "wsd" (constant, then linear decay)
+    c.train.decay_fraction = 0.2  # "wsd": the last fraction of the steps that decays
     c.train.warmup_steps = 100
     c.train.weight_decay = 0.1
     c.train.b1 = 0.9
@@ -100,6 +102,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Refuse invalid values with one line naming the key; call before anything runs."""
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
+    from nlearn.train.optim import SCHEDULES
 
     positive = [
         "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every",
@@ -119,6 +122,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
             _fail(key, config[section][name], "must be >= 0")
     if not 0 <= config.train.min_lr_ratio <= 1:
         _fail("train.min_lr_ratio", config.train.min_lr_ratio, "must be in [0, 1]")
+    if config.train.schedule not in SCHEDULES:
+        _fail("train.schedule", config.train.schedule, f"valid: {', '.join(SCHEDULES)}")
+    if not 0 < config.train.decay_fraction <= 1:
+        _fail("train.decay_fraction", config.train.decay_fraction, "must be in (0, 1]")
     if config.model.family not in models.FAMILIES:
         _fail("model.family", config.model.family, f"valid families: {', '.join(sorted(models.FAMILIES))}")
     if config.model.dtype not in DTYPES:

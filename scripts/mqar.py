@@ -39,7 +39,13 @@ def mqar_presets():
 def preset_fingerprint(presets, family: str, extra: list[str]) -> str:
     """A short hash of the family's resolved MQAR config plus extra overrides: `--reuse` keeps a
     row only when it was trained from the same preset."""
-    config = json.dumps(presets.get_config(family).to_dict(), sort_keys=True, default=str)
+    resolved = presets.get_config(family).to_dict()
+    if resolved["train"].get("schedule") == "cosine":
+        # The cosine schedule is what runs did before the schedule keys existed (and ignores
+        # decay_fraction): hash such a config as before, so their rows stay reusable.
+        resolved["train"].pop("schedule")
+        resolved["train"].pop("decay_fraction", None)
+    config = json.dumps(resolved, sort_keys=True, default=str)
     return hashlib.sha1((config + "\0" + "\0".join(extra)).encode()).hexdigest()[:12]
 
 
@@ -102,7 +108,12 @@ def table(rows: list[dict], steps: int) -> str:
 
 def schedule(budget: dict) -> str:
     ratio = budget.get("min_lr_ratio", 0.0)
-    return ", constant after warmup" if ratio == 1.0 else f", cosine to {ratio:g}x after warmup"
+    if ratio == 1.0:
+        return ", constant after warmup"
+    if budget.get("schedule") == "wsd":
+        return (f", constant after warmup, then linear to {ratio:g}x over the last "
+                f"{budget.get('decay_fraction', 0.2):.0%} of the steps")
+    return f", cosine to {ratio:g}x after warmup"
 
 
 def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:

@@ -171,3 +171,32 @@ def test_mqar_curriculum_run_resumes_across_the_stage_change(tmp_path):
     bad = run_cli("train", *cmd(tmp_path / "bad", 5), "--config.data.mqar.curriculum=16x4")
     assert bad.returncode != 0 and "data.mqar.curriculum: cannot read stage '16x4'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def schedule_config(schedule: str):
+    config = golden_config()
+    config.train.update(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, schedule=schedule,
+                        decay_fraction=0.3)
+    return config
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_to_the_floor():
+    from nlearn.train.optim import learning_rate
+
+    wsd, cosine = learning_rate(schedule_config("wsd")), learning_rate(schedule_config("cosine"))
+    np.testing.assert_allclose([float(wsd(s)) for s in (0, 5, 10, 40, 70, 85, 100, 150)],
+                               [0.0, 0.5, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6, atol=1e-7)
+    # cosine: halfway through the decay (step 55 of 10..100) it is halfway between peak and floor
+    np.testing.assert_allclose([float(cosine(s)) for s in (10, 55, 100)], [1.0, 0.55, 0.1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("key,value", [("schedule", "linear"), ("decay_fraction", 0.0),
+                                       ("decay_fraction", 1.5)])
+def test_bad_schedule_values_are_refused(key, value):
+    from nlearn.config import validate
+    from nlearn.errors import UserError
+
+    config = schedule_config("wsd")
+    config.train[key] = value
+    with pytest.raises(UserError, match=f"train.{key}"):
+        validate(config)

@@ -1,4 +1,5 @@
-"""optax AdamW with linear warmup + cosine decay, global-norm clipping, selective weight decay."""
+"""optax AdamW with linear warmup then a cosine or warmup-stable-decay (WSD) schedule, global-norm
+clipping, selective weight decay."""
 
 from __future__ import annotations
 
@@ -8,12 +9,26 @@ import optax
 NO_DECAY = ("embed", "norm", "scale", "bias")  # path fragments exempt from weight decay
 
 
+SCHEDULES = ("cosine", "wsd")
+
+
 def learning_rate(config) -> optax.Schedule:
+    """Linear warmup to `train.lr`, then down to `lr * min_lr_ratio` at `train.steps`: "cosine" decays
+    all the way; "wsd" (warmup-stable-decay) holds the peak and decays linearly over the last
+    `train.decay_fraction` of the steps, so a run keeps its full lr until shortly before its end."""
     t = config.train
     warmup = min(t.warmup_steps, max(t.steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
-        decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+    end = t.lr * t.min_lr_ratio
+    if t.get("schedule", "cosine") == "cosine":  # configs saved before the key: cosine
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+            decay_steps=max(t.steps, warmup + 1), end_value=end)
+    decay = min(max(1, round(t.decay_fraction * t.steps)), t.steps - warmup)
+    stable_end = t.steps - decay
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, t.lr, max(warmup, 1)), optax.constant_schedule(t.lr),
+         optax.linear_schedule(t.lr, end, max(decay, 1))],
+        boundaries=[warmup, stable_end])
 
 
 def decay_mask(params):

@@ -39,7 +39,8 @@ def test_every_family_gets_the_common_task_and_budget(presets):
               "data.vocab_size": presets.TASK["vocab_size"], "model.d_model": presets.MODEL["d_model"],
               "model.num_heads": presets.MODEL["num_heads"], "model.mlp_dim": presets.MODEL["mlp_dim"],
               "train.batch_size": presets.BUDGET["batch_size"], "train.steps": presets.BUDGET["steps"],
-              "train.lr": presets.BUDGET["lr"], "data.mqar.curriculum": presets.CURRICULUM}
+              "train.lr": presets.BUDGET["lr"], "train.schedule": presets.BUDGET["schedule"],
+              "data.mqar.curriculum": presets.CURRICULUM}
     for family in families():
         c = presets.get_config(family)
         config_lib.validate(c)
@@ -105,6 +106,17 @@ def test_table_and_note():
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
     assert fp != script.preset_fingerprint(presets, "titans_lmm", [])
     assert fp != script.preset_fingerprint(presets, "deltanet", ["--config.train.steps=10"])
+    # A cosine run ignores decay_fraction, and hashes as before the schedule keys existed.
+    config = presets.get_config("deltanet")
+    fixed = type("Presets", (), {"get_config": staticmethod(lambda family: config)})
+    assert script.preset_fingerprint(fixed, "deltanet", []) == fp
+    config.train.decay_fraction = 0.7
+    assert script.preset_fingerprint(fixed, "deltanet", []) == fp
+    config.train.schedule = "wsd"
+    assert script.preset_fingerprint(fixed, "deltanet", []) != fp
+    assert script.schedule({"min_lr_ratio": 0.1}) == ", cosine to 0.1x after warmup"
+    assert script.schedule({"min_lr_ratio": 0.1, "schedule": "wsd", "decay_fraction": 0.5}) == (
+        ", constant after warmup, then linear to 0.1x over the last 50% of the steps")
     assert script.curriculum_note("", 16, 256) == ""
     assert script.curriculum_note("64x4:300,128x8:50", 16, 256) == (
         " Curriculum: the first 300 steps of 64 windows of 64 tokens with 4 pairs, then 50 steps of "
