@@ -122,10 +122,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
             _fail(key, config[section][name], "must be >= 0")
     if not 0 <= config.train.min_lr_ratio <= 1:
         _fail("train.min_lr_ratio", config.train.min_lr_ratio, "must be in [0, 1]")
-    if config.train.schedule not in SCHEDULES:
-        _fail("train.schedule", config.train.schedule, f"valid: {', '.join(SCHEDULES)}")
-    if not 0 < config.train.decay_fraction <= 1:
-        _fail("train.decay_fraction", config.train.decay_fraction, "must be in (0, 1]")
+    # Configs saved before the schedule keys existed trained (and resume) with the cosine.
+    schedule, decay_fraction = config.train.get("schedule", "cosine"), config.train.get("decay_fraction", 0.2)
+    if schedule not in SCHEDULES:
+        _fail("train.schedule", schedule, f"valid: {', '.join(SCHEDULES)}")
+    if not 0 < decay_fraction <= 1:
+        _fail("train.decay_fraction", decay_fraction, "must be in (0, 1]")
     if config.model.family not in models.FAMILIES:
         _fail("model.family", config.model.family, f"valid families: {', '.join(sorted(models.FAMILIES))}")
     if config.model.dtype not in DTYPES:

@@ -200,3 +200,16 @@ def test_bad_schedule_values_are_refused(key, value):
     config.train[key] = value
     with pytest.raises(UserError, match=f"train.{key}"):
         validate(config)
+
+
+def test_configs_saved_before_the_schedule_keys_still_validate_as_cosine():
+    from nlearn.config import validate
+    from nlearn.train.optim import learning_rate
+
+    import ml_collections
+
+    saved = schedule_config("cosine").to_dict()  # as load_run_config reads an old config.json
+    del saved["train"]["schedule"], saved["train"]["decay_fraction"]
+    old = ml_collections.ConfigDict(saved)
+    validate(old)
+    assert float(learning_rate(old)(55)) == pytest.approx(float(learning_rate(schedule_config("cosine"))(55)))
