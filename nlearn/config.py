@@ -102,7 +102,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Refuse invalid values with one line naming the key; call before anything runs."""
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
-    from nlearn.train.optim import SCHEDULES
+    from nlearn.train.optim import SCHEDULES, schedule_name
 
     positive = [
         "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every",
@@ -122,12 +122,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
             _fail(key, config[section][name], "must be >= 0")
     if not 0 <= config.train.min_lr_ratio <= 1:
         _fail("train.min_lr_ratio", config.train.min_lr_ratio, "must be in [0, 1]")
-    # Configs saved before the schedule keys existed trained (and resume) with the cosine.
-    schedule, decay_fraction = config.train.get("schedule", "cosine"), config.train.get("decay_fraction", 0.2)
-    if schedule not in SCHEDULES:
-        _fail("train.schedule", schedule, f"valid: {', '.join(SCHEDULES)}")
-    if not 0 < decay_fraction <= 1:
-        _fail("train.decay_fraction", decay_fraction, "must be in (0, 1]")
+    if schedule_name(config.train) not in SCHEDULES:
+        _fail("train.schedule", config.train.schedule, f"valid: {', '.join(SCHEDULES)}")
+    if "decay_fraction" in config.train and not 0 < config.train.decay_fraction <= 1:
+        _fail("train.decay_fraction", config.train.decay_fraction, "must be in (0, 1]")
     if config.model.family not in models.FAMILIES:
         _fail("model.family", config.model.family, f"valid families: {', '.join(sorted(models.FAMILIES))}")
     if config.model.dtype not in DTYPES:

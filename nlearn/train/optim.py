@@ -12,6 +12,11 @@ NO_DECAY = ("embed", "norm", "scale", "bias")  # path fragments exempt from weig
 SCHEDULES = ("cosine", "wsd")
 
 
+def schedule_name(train) -> str:
+    """`train.schedule`; configs saved before the key existed trained (and resume) with the cosine."""
+    return train.get("schedule", "cosine")
+
+
 def learning_rate(config) -> optax.Schedule:
     """Linear warmup to `train.lr`, then down to `lr * min_lr_ratio` at `train.steps`: "cosine" decays
     all the way; "wsd" (warmup-stable-decay) holds the peak and decays linearly over the last
@@ -19,7 +24,7 @@ def learning_rate(config) -> optax.Schedule:
     t = config.train
     warmup = min(t.warmup_steps, max(t.steps - 1, 0))
     end = t.lr * t.min_lr_ratio
-    if t.get("schedule", "cosine") == "cosine":  # configs saved before the key: cosine
+    if schedule_name(t) == "cosine":
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
             decay_steps=max(t.steps, warmup + 1), end_value=end)
