@@ -20,25 +20,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from nlearn.train.metrics import throughput  # noqa: E402
 from nlearn.utils.readme import replace_section  # noqa: E402
 
 # "" is the default inner learner (optimizer=momentum, objective=l2, minibatch=16, depth=2).
 VARIANTS = ("", "optimizer=sgd", "optimizer=dgd", "objective=dot", "minibatch=4", "depth=3",
             "optimizer=adamq")
 
-
-def throughput(records: list[dict], tokens_per_step: int) -> float:
-    """Training tokens/s over every logged interval (compilation excluded by the trainer)."""
-    steps = [r for r in records if "tokens_per_sec" in r]
-    tokens = seconds = 0.0
-    prev = 1  # the trainer's clock starts after the first (compiling) step
-    for r in steps:
-        n = (r["step"] - prev) * tokens_per_step
-        if n > 0 and r["tokens_per_sec"] > 0:
-            tokens += n
-            seconds += n / r["tokens_per_sec"]
-        prev = r["step"]
-    return tokens / seconds if seconds else float("nan")
 
 
 def run(family: str, variant: str, workdir: str, steps: int, extra: list[str]) -> dict:

@@ -18,21 +18,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from nlearn.train.metrics import throughput  # noqa: E402
 from nlearn.utils.readme import replace_section  # noqa: E402
 
-
-def throughput(records: list[dict], tokens_per_step: int) -> float:
-    """Training tokens/s over every logged interval (the trainer excludes compilation)."""
-    tokens = seconds = 0.0
-    prev = 1  # the trainer's clock starts after the first (compiling) step
-    for r in records:
-        if "tokens_per_sec" not in r:
-            continue
-        n = (r["step"] - prev) * tokens_per_step
-        if n > 0 and r["tokens_per_sec"] > 0:
-            tokens, seconds = tokens + n, seconds + n / r["tokens_per_sec"]
-        prev = r["step"]
-    return tokens / seconds if seconds else float("nan")
 
 
 def train(family: str, workdir: str, steps: int, extra: list[str]) -> dict:

@@ -11,6 +11,8 @@ import pytest
 
 from nlearn import models
 from test_model import jitted
+from nlearn.train.state import make_setup
+from nlearn.train.step import make_train_step
 
 FAMILIES = sorted(models.FAMILIES)
 
@@ -48,6 +50,22 @@ def test_family_decoding_matches_full_forward(family):
         logits, cache = decode(tokens[:, i:i + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_step_returns_the_types_it_takes(family):
+    """The state leaves a train step as it came in (dtype, weak type), so the jitted step compiles
+    once, not again at step 2 (a weak-typed initial parameter cost titans_mac 12 s per shape)."""
+    config = tiny(family)
+    with config.unlocked():
+        config.train.update(batch_size=2, seq_len=16)
+    setup = make_setup(config)
+    step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
+    batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
+    before = jax.eval_shape(setup.init_state)
+    after, _ = jax.eval_shape(step, before, batch)
+    types = lambda tree: [(x.shape, x.dtype, x.weak_type) for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert types(after) == types(before)
 
 
 def _paper_presets():

@@ -186,7 +186,7 @@ class NeuralMemoryMixer(MemoryMixer):
         self.decay_gate = (Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
                            if mem.decay else None)
         if self.decay_gate is not None:  # start with little forgetting: alpha = sigmoid(-4) ~ 0.02
-            self.decay_gate.bias[...] = jnp.full((h,), -4.0)
+            self.decay_gate.bias[...] = jnp.full((h,), -4.0, self.decay_gate.bias.dtype)
 
     def featurize(self, q, k, v):
         return l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)

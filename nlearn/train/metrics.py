@@ -46,14 +46,21 @@ class Progress:
         self.total, self.tokens_per_step = total_steps, tokens_per_step
         self.flops_per_token, self.peak = flops_per_token, peak_flops
         self.enabled = enabled
-        self.mark_step, self.mark_time = start_step, time.perf_counter()
+        self.mark_step, self.mark_time, self.paused_s = start_step, time.perf_counter(), 0.0
 
     def reset_clock(self, step: int) -> None:
         """Restart the rate measurement (after compilation or an eval)."""
-        self.mark_step, self.mark_time = step, time.perf_counter()
+        now = time.perf_counter()
+        self.paused_s = now - self.mark_time  # what the reset excludes: the compiling step, an eval
+        self.mark_step, self.mark_time = step, now
 
     def update(self, step: int, metrics: dict) -> dict:
         now = time.perf_counter()
+        if step == self.mark_step:  # only the compiling first step so far: no rate to report
+            if self.enabled:
+                print(f"step {step:>6}/{self.total} | loss {metrics['loss']:.4f} | "
+                      f"first step {self.paused_s:.1f}s (compilation)", flush=True)
+            return dict(metrics)
         steps = max(step - self.mark_step, 1)
         rate = steps * self.tokens_per_step / max(now - self.mark_time, 1e-9)
         mfu = rate * self.flops_per_token / self.peak if self.peak else 0.0
@@ -124,3 +131,18 @@ def plot_losses(workdir: str) -> str | None:
     fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+def throughput(records: list[dict], tokens_per_step: int) -> float:
+    """Training tokens/s over the logged intervals of a run's metrics.jsonl records (the trainer's
+    clock starts after the first, compiling step and pauses for evals)."""
+    tokens = seconds = 0.0
+    prev = 1
+    for r in records:
+        if "tokens_per_sec" not in r:
+            continue
+        n = (r["step"] - prev) * tokens_per_step
+        if n > 0 and r["tokens_per_sec"] > 0:
+            tokens, seconds = tokens + n, seconds + n / r["tokens_per_sec"]
+        prev = r["step"]
+    return tokens / seconds if seconds else float("nan")

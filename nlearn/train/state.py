@@ -49,7 +49,10 @@ class Setup:
 
 def _init_state(config, optimizer) -> dict:
     model = models.build(config)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    # Strong dtypes: a weak-typed leaf (a parameter set from a Python scalar) comes back strong from
+    # the first step, and the changed input type recompiles the jitted train step once more.
+    params = jax.tree.map(lambda x: x.astype(x.dtype) if x.weak_type else x,
+                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return {"params": params, "opt_state": optimizer.init(params),
             "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(config.train.seed))}
