@@ -112,8 +112,7 @@ class Attention(nnx.Module):
         return proj(x).reshape(b, t, self.num_heads, self.head_dim)
 
     def _rope(self, x_BTHK, pos_T):
-        b, t = x_BTHK.shape[:2]
-        return apply_rope(x_BTHK, jnp.broadcast_to(pos_T, (b, t)), self.rope_theta)
+        return apply_rope(x_BTHK, pos_T, self.rope_theta)
 
     def key_value(self, x_BTD, pos_T):
         """RoPE'd keys and values `[B, T, H, K]` of tokens at absolute positions `pos_T` (no conv:

@@ -49,6 +49,7 @@ def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> At
                      conv_size=cfg.get("attn_conv_size", 0), rngs=rngs)  # configs saved before the key: 0
 
 
+UNROLL_SEGMENTS = 8  # MAC unrolls its loop over segments up to this many segments
 MAC_OUTPUTS = ("add", "gate")  # how MAC combines the attention output and the memory's read
 
 
@@ -189,7 +190,10 @@ class MACMixer(nnx.Module):
                 return jnp.moveaxis(z.reshape((b, n, c) + z.shape[2:]), 1, 0)
 
             xs = tuple(split(z) for z in seqs) + (pos[:n * c].reshape(n, c),)
-            carry, (out, h, _) = lax.scan(self._segment, carry, xs)
+            # Unrolled when short (XLA fuses across the segments: ~5-10% faster at the
+            # MQAR shapes, 4 segments); a rolled loop keeps long sequences' compile time flat.
+            unroll = n if n <= UNROLL_SEGMENTS else 1
+            carry, (out, h, _) = lax.scan(self._segment, carry, xs, unroll=unroll)
             merge = lambda z: jnp.moveaxis(z, 0, 1).reshape((b, n * c) + z.shape[3:])  # noqa: E731
             outs.append(merge(out))
             hs.append(merge(h))
