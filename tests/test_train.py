@@ -213,3 +213,12 @@ def test_configs_saved_before_the_schedule_keys_still_validate_as_cosine():
     old = ml_collections.ConfigDict(saved)
     validate(old)
     assert float(learning_rate(old)(55)) == pytest.approx(float(learning_rate(schedule_config("cosine"))(55)))
+
+
+def test_mfu_peak_counts_the_cpu_once_however_many_devices_it_is_split_into():
+    """Forced CPU devices share the process's cores: MFU's peak must not multiply by them."""
+    code = "import jax; from nlearn.train.flops import run_peak_flops; print(jax.device_count(), run_peak_flops(100.0))"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["4", "100000000000.0"]

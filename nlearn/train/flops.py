@@ -35,3 +35,11 @@ def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
+
+
+def run_peak_flops(peak_gflops_per_device: float) -> float:
+    """The whole run's peak FLOP/s for MFU. Accelerators add up per device; the CPU devices of one
+    process (e.g. several forced with --xla_force_host_platform_device_count) share its cores, whose
+    rate the per-device measurement already is, so CPUs count processes."""
+    units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
+    return peak_gflops_per_device * 1e9 * units

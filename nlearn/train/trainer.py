@@ -103,7 +103,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     peak = t.peak_gflops or flops_lib.measure_matmul_gflops()
     progress = Progress(t.steps, step, tokens_per_step,
                         flops_lib.flops_per_token(config.model, setup.n_params, t.seq_len),
-                        peak * 1e9 * jax.device_count(), enabled=lead and config.logging.progress)
+                        flops_lib.run_peak_flops(peak), enabled=lead and config.logging.progress)
     writer = MetricsWriter(workdir, step) if lead else None
     wandb = Wandb(config, workdir, run_id) if lead else None
     meta = {"config": config.to_dict(), "wandb_run_id": wandb.run_id if wandb else run_id}
