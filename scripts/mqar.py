@@ -22,6 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from nlearn.config import base_config  # noqa: E402
 from nlearn.data.curriculum import parse_curriculum  # noqa: E402
 from nlearn.utils.readme import replace_section  # noqa: E402
 
@@ -112,7 +113,7 @@ def schedule(budget: dict) -> str:
         return ", constant after warmup"
     if budget.get("schedule") == "wsd":
         return (f", constant after warmup, then linear to {ratio:g}x over the last "
-                f"{budget.get('decay_fraction', 0.2):.0%} of the steps")
+                f"{budget.get('decay_fraction', base_config().train.decay_fraction):.0%} of the steps")
     return f", cosine to {ratio:g}x after warmup"
 
 
