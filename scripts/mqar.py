@@ -2,9 +2,10 @@
 
 Each family runs `configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar).
 The budget is the preset's step count or `configs/mqar.py`'s TIME_LIMIT_S of wall time, whichever
-comes first: at the limit the trainer gets SIGTERM, saves a checkpoint and exits, and the
-checkpoint is scored by `nlearn-eval`. The table reports accuracy on the answers, parameter count,
-the training process's wall time (start-up and compilation included) and the steps it reached.
+comes first: at the limit the trainer gets SIGTERM, saves a checkpoint and exits. Every run's last
+checkpoint is then scored by `nlearn-eval` (the trainer skips its own final evaluation, so scoring
+is not charged to the budget). The table reports accuracy on the answers, parameter count, the
+training process's wall time (start-up, compilation and checkpoints included) and the steps it reached.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def last_json(text: str) -> dict:
 def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float) -> dict:
     """Train `family` within the budget and score it; a dict for one table row."""
     cmd = [sys.executable, "-m", "nlearn.cli.train", f"--config=configs/mqar.py:{family}",
-           f"--workdir={workdir}", "--config.logging.wandb_mode=disabled", *extra]
+           f"--workdir={workdir}", "--config.logging.wandb_mode=disabled", "--config.train.final_eval=False",
+           *extra]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stopped = False
@@ -78,9 +80,9 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
         return {"family": family, "error": (err.strip().splitlines() or ["?"])[-1]}
     params = params[0].split(":")[1].split("M")[0]
     eval_path = os.path.join(workdir, "eval.json")
-    if os.path.exists(eval_path):
+    if os.path.exists(eval_path):  # a run trained with its own final evaluation
         result = json.load(open(eval_path))
-    else:  # stopped at the time limit: score the checkpoint it saved
+    else:  # score the newest checkpoint (the last step's, or the one saved at the time limit)
         ev = subprocess.run([sys.executable, "-m", "nlearn.cli.eval", f"--workdir={workdir}"], cwd=ROOT,
                             capture_output=True, text=True)
         if ev.returncode != 0:
@@ -136,7 +138,8 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
             f"d_model={model['d_model']}, {model['num_heads']} heads, SwiGLU width {model['mlp_dim']}; "
             f"budget: {budget['steps']} steps of {budget['batch_size']} sequences (lr {budget['lr']:g}"
             f"{schedule(budget)}) or "
-            f"{time_limit_s / 60:g} minutes of wall time, whichever comes first. "
+            f"{time_limit_s / 60:g} minutes of wall time, whichever comes first (start-up, compilation and "
+            f"checkpoints count; scoring the last checkpoint afterwards does not). "
             f"Accuracy over {task['eval_examples']} held-out examples."
             f"{curriculum_note(presets.CURRICULUM, budget['batch_size'], task['seq_len'])}")
     text += per_family("Per-family overrides", presets.FAMILY_OVERRIDES, families)

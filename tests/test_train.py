@@ -160,9 +160,12 @@ def test_mqar_curriculum_run_resumes_across_the_stage_change(tmp_path):
                 "logging.wandb_mode": "disabled"}.items()]]
 
     straight = run_cli("train", *cmd(tmp_path / "straight", 5))
-    first = run_cli("train", *cmd(tmp_path / "resumed", 2))
+    first = run_cli("train", *cmd(tmp_path / "resumed", 2), "--config.train.final_eval=False")
+    assert first.returncode == 0, first.stdout + first.stderr
+    # Without its final evaluation the run ends at its last checkpoint and says how to score it.
+    assert not (tmp_path / "resumed" / "eval.json").exists() and "score it with nlearn-eval" in first.stdout
     resumed = run_cli("train", *cmd(tmp_path / "resumed", 5))
-    for proc in (straight, first, resumed):
+    for proc in (straight, resumed):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resuming from checkpoint at step 2" in resumed.stdout
     a, b = (json.load(open(tmp_path / d / "eval.json")) for d in ("straight", "resumed"))
@@ -209,10 +212,27 @@ def test_configs_saved_before_the_schedule_keys_still_validate_as_cosine():
     import ml_collections
 
     saved = schedule_config("cosine").to_dict()  # as load_run_config reads an old config.json
-    del saved["train"]["schedule"], saved["train"]["decay_fraction"]
+    del saved["train"]["schedule"], saved["train"]["decay_fraction"], saved["train"]["cpu_opt_preset"]
     old = ml_collections.ConfigDict(saved)
     validate(old)
     assert float(learning_rate(old)(55)) == pytest.approx(float(learning_rate(schedule_config("cosine"))(55)))
+
+
+def test_cpu_opt_preset_reaches_the_compiler_and_a_bad_one_is_refused():
+    from nlearn.config import validate
+    from nlearn.errors import UserError
+    from nlearn.train.step import compiler_options
+
+    config = golden_config()
+    assert compiler_options(config.train) is None  # XLA's defaults
+    config.train.cpu_opt_preset = "fast_compile"
+    options = compiler_options(config.train)
+    assert options == {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(jax.jit(lambda v: v * 2, compiler_options=options)(x), x * 2)
+    config.train.cpu_opt_preset = "fastest"
+    with pytest.raises(UserError, match="train.cpu_opt_preset"):
+        validate(config)
 
 
 def test_mfu_peak_counts_the_cpu_once_however_many_devices_it_is_split_into():

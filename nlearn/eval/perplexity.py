@@ -6,7 +6,7 @@ import math
 
 import jax
 
-from nlearn.train.step import make_eval_step
+from nlearn.train.step import compiler_options, make_eval_step
 
 
 def make_evaluator(setup):
@@ -16,7 +16,8 @@ def make_evaluator(setup):
     it is the recall accuracy and is also reported as `mqar_accuracy`.
     """
     step = jax.jit(make_eval_step(setup.graphdef, dtype=setup.dtype),
-                   in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+                   in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
+                   compiler_options=compiler_options(setup.config.train))
 
     def evaluate(params, batches) -> dict:
         total, count, hits = 0.0, 0.0, 0.0

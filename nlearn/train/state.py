@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from nlearn import models
 from nlearn.train import mesh as mesh_lib
 from nlearn.train.optim import make_optimizer
+from nlearn.train.step import compiler_options
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -38,8 +39,8 @@ class Setup:
 
     def init_state(self) -> dict:
         """Fresh state, created directly in its sharded layout."""
-        return jax.jit(lambda: _init_state(self.config, self.optimizer),
-                       out_shardings=self.state_shardings)()
+        return jax.jit(lambda: _init_state(self.config, self.optimizer), out_shardings=self.state_shardings,
+                       compiler_options=compiler_options(self.config.train))()
 
     def put_batch(self, batch: dict) -> dict:
         """Process-local numpy batch -> global arrays split along the batch axes."""

@@ -24,7 +24,7 @@ from nlearn.train import flops as flops_lib
 from nlearn.train.checkpoint import Checkpointer
 from nlearn.train.metrics import MetricsWriter, Progress, Wandb, plot_losses
 from nlearn.train.state import make_setup
-from nlearn.train.step import make_train_step
+from nlearn.train.step import compiler_options, make_train_step
 
 
 def maybe_initialize_distributed() -> None:
@@ -116,7 +116,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     train_step = jax.jit(
         make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),
         in_shardings=(setup.state_shardings, setup.batch_sharding),
-        out_shardings=(setup.state_shardings, None), donate_argnums=0)
+        out_shardings=(setup.state_shardings, None), donate_argnums=0,
+        compiler_options=compiler_options(t))
 
     def log(record):
         if lead:
@@ -172,6 +173,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
             print(f"received {stopped}: saved a checkpoint at step {step}; rerun the same command to resume",
                   flush=True)
         return {"step": step, "stopped": stopped}
+    if not t.get("final_eval", True):  # configs saved before the key evaluated at the end
+        ckpt.close()
+        if lead:
+            print(f"trained to step {step}; score it with nlearn-eval --workdir={workdir}", flush=True)
+        return {"step": step, "train_seconds": time.perf_counter() - start_time}
 
     result = run_eval(step)
     result["step"] = step
