@@ -75,6 +75,9 @@ def base_config() -> ml_collections.ConfigDict:
     # XLA:CPU optimisation preset of the train/eval steps ("default", "fast_compile", "fast_runtime");
     # ignored off the CPU. "fast_compile" compiles a Titans MAC step ~20% sooner and ran it ~7% faster.
     c.train.cpu_opt_preset = "default"
+    # Wall-time budget in seconds (0: none). With the "wsd" schedule the run times its steps early on
+    # and lowers its total to what fits, so it ends fully decayed in time (nlearn.train.budget).
+    c.train.time_budget_s = 0.0
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 100
@@ -131,6 +134,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("train.schedule", config.train.schedule, f"valid: {', '.join(SCHEDULES)}")
     if "decay_fraction" in config.train and not 0 < config.train.decay_fraction <= 1:
         _fail("train.decay_fraction", config.train.decay_fraction, "must be in (0, 1]")
+    budget = config.train.get("time_budget_s", 0.0)  # configs saved before the key: none
+    if budget < 0:
+        _fail("train.time_budget_s", budget, "must be >= 0 (0: no budget)")
+    if budget and schedule_name(config.train) != "wsd":
+        _fail("train.time_budget_s", budget, "needs train.schedule=wsd (a cosine's lr at every step depends "
+              "on the total, so the total cannot be chosen mid-run)")
     preset = config.train.get("cpu_opt_preset", "default")  # configs saved before the key: default
     if preset not in CPU_OPT_PRESETS:
         _fail("train.cpu_opt_preset", preset, f"valid: {', '.join(CPU_OPT_PRESETS)}")

@@ -47,6 +47,8 @@ def preset_fingerprint(presets, family: str, extra: list[str]) -> str:
         # decay_fraction): hash such a config as before, so their rows stay reusable.
         resolved["train"].pop("schedule")
         resolved["train"].pop("decay_fraction", None)
+    if not resolved["train"].get("time_budget_s"):  # no budget: hash as before the key existed
+        resolved["train"].pop("time_budget_s", None)
     config = json.dumps(resolved, sort_keys=True, default=str)
     return hashlib.sha1((config + "\0" + "\0".join(extra)).encode()).hexdigest()[:12]
 
@@ -89,10 +91,13 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
             return {"family": family, "error": (ev.stderr.strip().splitlines() or ["?"])[-1]}
         result = last_json(ev.stdout)
     with open(os.path.join(workdir, "config.json")) as f:  # the run's resolved config, overrides included
-        steps_total = int(json.load(f)["train"]["steps"])
+        steps_total = steps_configured = int(json.load(f)["train"]["steps"])
+    budget_path = os.path.join(workdir, "budget.json")  # a time-budgeted run's chosen total
+    if os.path.exists(budget_path):
+        steps_total = int(json.load(open(budget_path))["planned_steps"])
     return {"family": family, "accuracy": result["mqar_accuracy"], "params_m": float(params),
             "train_seconds": seconds, "step": int(result["step"]), "stopped_at_limit": stopped,
-            "steps_total": steps_total}
+            "steps_total": steps_total, "steps_configured": steps_configured}
 
 
 def table(rows: list[dict], steps: int) -> str:
@@ -104,6 +109,8 @@ def table(rows: list[dict], steps: int) -> str:
         else:
             total = r.get("steps_total", steps)
             reached = f"{r['step']} of {total}" + (" (time limit)" if r["stopped_at_limit"] else "")
+            if r.get("steps_configured", total) > total:
+                reached += f" (time budget; preset {r['steps_configured']})"
             out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {r['params_m']:.2f}M | "
                        f"{r['train_seconds'] / 60:.1f} min | {reached} |")
     return "\n".join(out)

@@ -242,3 +242,63 @@ def test_mfu_peak_counts_the_cpu_once_however_many_devices_it_is_split_into():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["4", "100000000000.0"]
+
+
+def test_wsd_with_a_traced_total_is_the_optax_schedule():
+    """A time-budgeted run feeds its total to the WSD schedule as a traced scalar."""
+    from nlearn.train.optim import learning_rate
+
+    for steps, warmup, fraction in ((100, 10, 0.3), (790, 20, 0.5), (57, 0, 0.2), (3, 5, 0.5)):
+        config = schedule_config("wsd")
+        config.train.update(steps=steps, warmup_steps=warmup, decay_fraction=fraction, lr=3e-3)
+        counts = jnp.arange(steps + 5)
+        fixed = jax.jit(jax.vmap(learning_rate(config)))(counts)
+        traced = jax.jit(lambda c, total: jax.vmap(learning_rate(config, total))(c))(counts, steps)
+        np.testing.assert_allclose(traced, fixed, rtol=1e-6, atol=1e-12)
+
+
+def test_budget_planning_fits_the_steps_and_keeps_the_schedule_so_far():
+    from nlearn.train.budget import fit_total, shortest_total
+    from nlearn.train.optim import wsd_stable_end
+
+    # 100 s left at 1 s per step (98% of it usable): 98 more steps, capped by the configured total.
+    assert fit_total(300, 1100, elapsed_s=200, step_s=1.0, budget_s=300) == 398
+    assert fit_total(300, 350, elapsed_s=200, step_s=1.0, budget_s=300) == 350
+    assert fit_total(300, 1100, elapsed_s=200, step_s=0.5, budget_s=300, extra_s_per_step=0.5) == 398
+    # Out of time: the shortest total whose stable phase still covers the steps taken.
+    shortest = shortest_total(300, 1100, warmup=20, decay_fraction=0.5)
+    assert shortest == 600 and wsd_stable_end(599, 20, 0.5) < 300 <= wsd_stable_end(600, 20, 0.5)
+    assert fit_total(300, 1100, elapsed_s=400, step_s=1.0, budget_s=300, shortest=shortest) == 600
+    assert shortest_total(700, 1100, warmup=20, decay_fraction=0.5) == 1100  # already decaying: no change
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"time_budget_s": -1.0}, "must be >= 0"),
+    ({"time_budget_s": 60.0, "schedule": "cosine"}, "needs train.schedule=wsd")])
+def test_bad_time_budgets_are_refused(overrides, message):
+    from nlearn.config import validate
+    from nlearn.errors import UserError
+
+    config = schedule_config("wsd")
+    config.train.update(overrides)
+    with pytest.raises(UserError, match=f"train.time_budget_s.*{message}"):
+        validate(config)
+
+
+def test_time_budget_shortens_the_run_to_the_one_its_total_gives(tmp_path, cache_dir, text_corpus):
+    """A 1 s budget is spent before the plan (start-up alone takes longer), so the run takes the
+    shortest total that keeps its schedule so far (11 of 40: WSD over 11 steps with 2 decaying is
+    still stable at step 9, the plan). It must end as a plain 11-step run does, and a rerun keeps 11."""
+    wsd = {"train.schedule": "wsd"}
+    budgeted = _train_cmd(tmp_path / "budget", cache_dir, text_corpus,
+                          **wsd, **{"train.steps": 40, "train.time_budget_s": 1.0})
+    first = subprocess.run(budgeted, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = _final(first)
+    assert "time budget 1s" in first.stdout and "training 11 of 40 steps" in first.stdout
+    assert result["step"] == 11
+    assert json.load(open(tmp_path / "budget" / "budget.json"))["planned_steps"] == 11
+    plain = _final(subprocess.run(_train_cmd(tmp_path / "plain", cache_dir, text_corpus, **wsd, **{"train.steps": 11}),
+                                  cwd=ROOT, capture_output=True, text=True, timeout=600))
+    assert abs(result["loss"] - plain["loss"]) <= 1e-5
+    again = subprocess.run(budgeted, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "resuming from checkpoint at step 11" in again.stdout and _final(again)["step"] == 11

@@ -7,6 +7,7 @@ SIGTERM / Ctrl-C save a checkpoint at the current step and exit cleanly.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,15 +15,21 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from nlearn import config as config_lib
 from nlearn import data
 from nlearn.errors import UserError
 from nlearn.eval.perplexity import make_evaluator
 from nlearn.train import flops as flops_lib
+from nlearn.train import mesh as mesh_lib
+from nlearn.train.budget import BudgetPlanner
 from nlearn.train.checkpoint import Checkpointer
 from nlearn.train.metrics import MetricsWriter, Progress, Wandb, plot_losses
+from nlearn.train.optim import make_optimizer
 from nlearn.train.state import make_setup
 from nlearn.train.step import compiler_options, make_train_step
 
@@ -68,6 +75,26 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
+def make_jitted_step(setup, *, budgeted: bool):
+    """The jitted `(state, batch, total) -> (state, metrics)`. A time-budgeted run passes its total
+    as a traced scalar into the WSD schedule, so choosing it mid-run compiles nothing again;
+    otherwise the schedule is built for `train.steps` and `total` is unused."""
+    t = setup.config.train
+    jit = functools.partial(jax.jit, out_shardings=(setup.state_shardings, None), donate_argnums=0,
+                            compiler_options=compiler_options(t))
+    if budgeted:
+        def step_with_total(state, batch, total):
+            optimizer = make_optimizer(setup.config, total)
+            return make_train_step(setup.graphdef, optimizer, grad_accum=t.grad_accum, dtype=setup.dtype)(state, batch)
+
+        scalar = mesh_lib.replicated(setup.mesh)
+        jitted = jit(step_with_total, in_shardings=(setup.state_shardings, setup.batch_sharding, scalar))
+        return lambda state, batch, total: jitted(state, batch, jnp.asarray(total, jnp.int32))
+    jitted = jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),
+                 in_shardings=(setup.state_shardings, setup.batch_sharding))
+    return lambda state, batch, total: jitted(state, batch)
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
     config_lib.validate(config)
     maybe_initialize_distributed()
@@ -88,10 +115,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     evaluate = make_evaluator(setup)
 
     ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-    run_id = None
+    run_id, planned = None, None
     if ckpt.steps():
         step, state, meta = ckpt.restore(setup.abstract_state, train_iter)
         run_id = meta.get("wandb_run_id")
+        planned = meta.get("planned_steps")  # a time-budgeted run keeps the total it chose
         logging.info("resumed from step %d in %s", step, workdir)
         if lead:
             print(f"resuming from checkpoint at step {step}", flush=True)
@@ -101,23 +129,24 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     tokens_per_step = t.batch_size * t.seq_len
     peak = t.peak_gflops or flops_lib.measure_matmul_gflops()
-    progress = Progress(t.steps, step, tokens_per_step,
+    total = int(planned or t.steps)  # the run's last step (time_budget_s may lower it, once)
+    budgeted = t.get("time_budget_s", 0) > 0  # configs saved before the key: none
+    planner = BudgetPlanner(t) if budgeted and planned is None else None
+    progress = Progress(total, step, tokens_per_step,
                         flops_lib.flops_per_token(config.model, setup.n_params, t.seq_len),
                         flops_lib.run_peak_flops(peak), enabled=lead and config.logging.progress)
     writer = MetricsWriter(workdir, step) if lead else None
     wandb = Wandb(config, workdir, run_id) if lead else None
     meta = {"config": config.to_dict(), "wandb_run_id": wandb.run_id if wandb else run_id}
+    if planned:
+        meta["planned_steps"] = total
     if lead:
         print(f"{config.model.family}: {setup.n_params / 1e6:.2f}M parameters, mesh "
-              f"{dict(setup.mesh.shape)}, {tokens_per_step} tokens/step, steps {step}->{t.steps}",
+              f"{dict(setup.mesh.shape)}, {tokens_per_step} tokens/step, steps {step}->{total}",
               flush=True)
         print(f"sharding: {sharding_summary(state['params'])}", flush=True)
 
-    train_step = jax.jit(
-        make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),
-        in_shardings=(setup.state_shardings, setup.batch_sharding),
-        out_shardings=(setup.state_shardings, None), donate_argnums=0,
-        compiler_options=compiler_options(t))
+    train_step = make_jitted_step(setup, budgeted=budgeted or planned is not None)
 
     def log(record):
         if lead:
@@ -135,15 +164,29 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     start_time, stopped, compiling = time.perf_counter(), None, True
     with _StopFlag() as stop:
-        while step < t.steps:
-            state, metrics = train_step(state, setup.put_batch(next(train_iter)))
+        while step < total:
+            batch = next(train_iter)
+            timed = planner is not None and planner.wants_timing(batch["inputs"].shape)
+            began = time.perf_counter()
+            state, metrics = train_step(state, setup.put_batch(batch), total)
             step += 1
-            if compiling:  # exclude compilation from the first throughput figure
+            if compiling or timed:  # exclude compilation from the first throughput figure
                 jax.block_until_ready(metrics)
+            if compiling:
                 progress.reset_clock(step)
                 compiling = False
+            if timed and (chosen := planner.observe(step, batch["inputs"].shape,
+                                                    time.perf_counter() - began)) is not None:
+                if jax.process_count() > 1:  # every process takes process 0's choice
+                    chosen = int(multihost_utils.broadcast_one_to_all(np.int32(chosen)))
+                total = progress.total = meta["planned_steps"] = chosen
+                if lead:
+                    print(planner.describe(step, chosen), flush=True)
+                    with open(os.path.join(workdir, "budget.json"), "w") as f:
+                        json.dump({"planned_steps": chosen, "configured_steps": t.steps, "at_step": step}, f)
+                planner = None
             stopping = stop.signal  # read once: a signal arriving later waits for the next step
-            will_save = step % config.checkpoint.every_steps == 0 or step == t.steps or stopping
+            will_save = step % config.checkpoint.every_steps == 0 or step == total or stopping
             if step % t.log_every == 0 or will_save:
                 record = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 # A non-finite loss or gradient stops the run before it can reach a checkpoint.
@@ -153,14 +196,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
                         raise UserError(f"training {name.replace('_', ' ')} became {record[name]} at step {step}; "
                                         f"checkpoints up to step {max(ckpt.steps(), default=0)} are intact "
                                         "(lower train.lr or the memory's max_lr and resume)")
-            if step % t.log_every == 0 or step == t.steps:
+            if step % t.log_every == 0 or step == total:
                 record = progress.update(step, record)
                 record["step"] = step
                 log(record)
-            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+            if t.eval_every and step % t.eval_every == 0 and step != total:
+                eval_began = time.perf_counter()
                 run_eval(step)
+                if planner is not None:
+                    planner.record_eval(time.perf_counter() - eval_began)
                 progress.reset_clock(step)
-            if step % config.checkpoint.every_steps == 0 or step == t.steps:
+            if step % config.checkpoint.every_steps == 0 or step == total:
                 ckpt.save(step, state, train_iter, meta)
             if stopping:
                 stopped = stopping
