@@ -136,11 +136,25 @@ def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
             "evaluation is on the task only.")
 
 
-def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
+def machine() -> str:
+    """'<CPU model>, f32 matmul N GFLOP/s': which machine a table came from (their speeds differ ~4x)."""
+    from nlearn.train.flops import measure_matmul_gflops
+
+    name = "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, f32 matmul {measure_matmul_gflops():.0f} GFLOP/s"
+
+
+def note(presets, families: list[str], time_limit_s: float, load: str, cpu: str = "") -> str:
     """The sentence above the table: the command, task and budget, from configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
     text = (f"Made by `make mqar` (`python scripts/mqar.py --families={','.join(families)}`) on this repo's "
-            f"2-core CPU (load average {load} at the end). Task: T={task['seq_len']}, {task['num_pairs']} "
+            f"2-core CPU ({cpu + '; ' if cpu else ''}load average {load} at the end). "
+            f"Task: T={task['seq_len']}, {task['num_pairs']} "
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
             f"d_model={model['d_model']}, {model['num_heads']} heads, SwiGLU width {model['mlp_dim']}; "
             f"budget: {budget['steps']} steps of {budget['batch_size']} sequences (lr {budget['lr']:g}"
@@ -200,7 +214,7 @@ def main():
     print(body)
     if not args.no_readme and not args.overrides:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        text = note(presets, families, limit, load)
+        text = note(presets, families, limit, load, machine())
         if reused:
             text += f" Rows reused from earlier invocations (`--reuse`): {', '.join(reused)}."
         replace_section("mqar", f"{text}\n\n{body}")
