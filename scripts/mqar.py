@@ -94,7 +94,8 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
         steps_total = steps_configured = int(json.load(f)["train"]["steps"])
     budget_path = os.path.join(workdir, "budget.json")  # a time-budgeted run's chosen total
     if os.path.exists(budget_path):
-        steps_total = int(json.load(open(budget_path))["planned_steps"])
+        with open(budget_path) as f:
+            steps_total = int(json.load(f)["planned_steps"])
     return {"family": family, "accuracy": result["mqar_accuracy"], "params_m": float(params),
             "train_seconds": seconds, "step": int(result["step"]), "stopped_at_limit": stopped,
             "steps_total": steps_total, "steps_configured": steps_configured}

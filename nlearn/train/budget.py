@@ -14,6 +14,7 @@ limit would end at its peak lr instead).
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -23,9 +24,12 @@ TIMED_STEPS = 8  # steps of the task's shape timed before planning (after its co
 SAFETY = 0.98  # fraction of the remaining budget the forecast may fill (timing noise, checkpoints)
 
 
+_IMPORTED = time.monotonic()
+
+
 def process_age_s() -> float:
-    """Seconds since this process started (start-up and imports count toward a budget); Linux
-    /proc, elsewhere 0 (the budget then counts from the trainer's start)."""
+    """Seconds since this process started (start-up and imports count toward a budget); from Linux
+    /proc, elsewhere since this module's import. A rerun after a kill counts from its own start."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -33,7 +37,7 @@ def process_age_s() -> float:
             uptime = float(f.read().split()[0])
         return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
     except (OSError, ValueError, IndexError):
-        return 0.0
+        return time.monotonic() - _IMPORTED
 
 
 def shortest_total(step: int, configured: int, warmup: int, decay_fraction: float) -> int:
@@ -94,5 +98,8 @@ class BudgetPlanner:
         if total >= self.t.steps:
             return f"{head}: all {self.t.steps} steps fit"
         start = wsd_stable_end(total, self.warmup, self.t.decay_fraction)
-        return (f"{head}: training {total} of {self.t.steps} steps (the lr decays from step {start}); "
-                f"a faster machine would train more")
+        text = f"{head}: training {total} of {self.t.steps} steps (the lr decays from step {start})"
+        over = process_age_s() + (total - step) * step_s - self.budget_s
+        if over > 0:  # clamped by shortest_total: the schedule so far allows no shorter run
+            return text + f", the fewest that keep the lr of the steps so far: ~{over:.0f}s over the budget"
+        return text + "; a faster machine would train more"

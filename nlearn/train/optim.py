@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 NO_DECAY = ("embed", "norm", "scale", "bias")  # path fragments exempt from weight decay
@@ -18,30 +19,31 @@ def schedule_name(train) -> str:
     return train.get("schedule", "cosine")
 
 
-def learning_rate(config, steps=None) -> optax.Schedule:
+def learning_rate(config, total=None) -> optax.Schedule:
     """Linear warmup to `train.lr`, then down to `lr * min_lr_ratio` at `train.steps`: "cosine" decays
     all the way; "wsd" (warmup-stable-decay) holds the peak and decays linearly over the last
     `train.decay_fraction` of the steps, so a run keeps its full lr until shortly before its end.
 
-    `steps` (WSD only) replaces `train.steps` as the total and may be a traced int32 scalar: a
-    time-budgeted run (`nlearn.train.budget`) chooses its total after compiling its train step."""
+    `total` (WSD only) replaces `train.steps`: `[steps, stable_end]` from `wsd_total`, which may be a
+    traced int32 array: a time-budgeted run (`nlearn.train.budget`) chooses its total after compiling
+    its train step. The boundary comes in computed by Python, as below, so both agree exactly."""
     t = config.train
     warmup = min(t.warmup_steps, max(t.steps - 1, 0))
     end = t.lr * t.min_lr_ratio
     if schedule_name(t) == "cosine":
-        if steps is not None:
+        if total is not None:
             raise ValueError("only the wsd schedule takes a total other than train.steps")
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
             decay_steps=max(t.steps, warmup + 1), end_value=end)
-    if steps is None:
+    if total is None:
         stable_end = wsd_stable_end(t.steps, warmup, t.decay_fraction)
         decay = t.steps - stable_end
         return optax.join_schedules(
             [optax.linear_schedule(0.0, t.lr, max(warmup, 1)), optax.constant_schedule(t.lr),
              optax.linear_schedule(t.lr, end, max(decay, 1))],
             boundaries=[warmup, stable_end])
-    return _traced_wsd(t.lr, end, warmup, t.decay_fraction, steps)
+    return _traced_wsd(t.lr, end, warmup, total)
 
 
 def wsd_stable_end(steps: int, warmup: int, decay_fraction: float) -> int:
@@ -49,12 +51,19 @@ def wsd_stable_end(steps: int, warmup: int, decay_fraction: float) -> int:
     return steps - min(max(1, round(decay_fraction * steps)), steps - warmup)
 
 
-def _traced_wsd(peak: float, end: float, warmup: int, decay_fraction: float, steps) -> optax.Schedule:
+def wsd_total(config, steps: int) -> np.ndarray:
+    """`[steps, stable_end]` (int32) of a WSD over `steps`, for `learning_rate(config, total)`."""
+    t = config.train
+    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+    return np.array([steps, wsd_stable_end(steps, warmup, t.decay_fraction)], np.int32)
+
+
+def _traced_wsd(peak: float, end: float, warmup: int, total) -> optax.Schedule:
     """The WSD above with a traced total (optax's linear_schedule needs a Python length): the same
     formulas as optax's join of linear, constant and linear pieces, value for value."""
-    steps = jnp.asarray(steps, jnp.int32)
-    decay = jnp.clip(jnp.round(decay_fraction * steps).astype(jnp.int32), 1, steps - warmup)
-    stable_end = steps - decay
+    total = jnp.asarray(total, jnp.int32)
+    steps, stable_end = total[0], total[1]
+    decay = steps - stable_end
 
     def ramp(count, start, length, begin_value, end_value):
         frac = 1 - jnp.clip(count - start, 0, length) / length
@@ -77,10 +86,10 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(config, steps=None) -> optax.GradientTransformation:
-    """Clipping then AdamW on `learning_rate(config, steps)` (`steps`: see there)."""
+def make_optimizer(config, total=None) -> optax.GradientTransformation:
+    """Clipping then AdamW on `learning_rate(config, total)` (`total`: see there)."""
     t = config.train
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    parts.append(optax.adamw(learning_rate(config, steps), b1=t.b1, b2=t.b2, eps=t.eps,
+    parts.append(optax.adamw(learning_rate(config, total), b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=decay_mask))
     return optax.chain(*parts)

@@ -29,7 +29,7 @@ from nlearn.train import mesh as mesh_lib
 from nlearn.train.budget import BudgetPlanner
 from nlearn.train.checkpoint import Checkpointer
 from nlearn.train.metrics import MetricsWriter, Progress, Wandb, plot_losses
-from nlearn.train.optim import make_optimizer
+from nlearn.train.optim import make_optimizer, wsd_total
 from nlearn.train.state import make_setup
 from nlearn.train.step import compiler_options, make_train_step
 
@@ -77,7 +77,7 @@ class _StopFlag:
 
 def make_jitted_step(setup, *, budgeted: bool):
     """The jitted `(state, batch, total) -> (state, metrics)`. A time-budgeted run passes its total
-    as a traced scalar into the WSD schedule, so choosing it mid-run compiles nothing again;
+    as traced scalars into the WSD schedule, so choosing it mid-run compiles nothing again;
     otherwise the schedule is built for `train.steps` and `total` is unused."""
     t = setup.config.train
     jit = functools.partial(jax.jit, out_shardings=(setup.state_shardings, None), donate_argnums=0,
@@ -87,9 +87,9 @@ def make_jitted_step(setup, *, budgeted: bool):
             optimizer = make_optimizer(setup.config, total)
             return make_train_step(setup.graphdef, optimizer, grad_accum=t.grad_accum, dtype=setup.dtype)(state, batch)
 
-        scalar = mesh_lib.replicated(setup.mesh)
-        jitted = jit(step_with_total, in_shardings=(setup.state_shardings, setup.batch_sharding, scalar))
-        return lambda state, batch, total: jitted(state, batch, jnp.asarray(total, jnp.int32))
+        replicated = mesh_lib.replicated(setup.mesh)
+        jitted = jit(step_with_total, in_shardings=(setup.state_shardings, setup.batch_sharding, replicated))
+        return lambda state, batch, total: jitted(state, batch, jnp.asarray(wsd_total(setup.config, total)))
     jitted = jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),
                  in_shardings=(setup.state_shardings, setup.batch_sharding))
     return lambda state, batch, total: jitted(state, batch)
@@ -116,10 +116,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     run_id, planned = None, None
+    budgeted = t.get("time_budget_s", 0) > 0  # configs saved before the key: no budget
     if ckpt.steps():
         step, state, meta = ckpt.restore(setup.abstract_state, train_iter)
         run_id = meta.get("wandb_run_id")
-        planned = meta.get("planned_steps")  # a time-budgeted run keeps the total it chose
+        chosen = meta.get("budget")  # a time-budgeted run keeps the total it chose...
+        if chosen and budgeted and chosen["configured_steps"] == t.steps:
+            planned = chosen["planned_steps"]
+        elif chosen and lead:  # ...unless the rerun changed the budget or the steps
+            print(f"the checkpoint's run chose {chosen['planned_steps']} of {chosen['configured_steps']} steps "
+                  f"for its time budget; with train.steps={t.steps} and train.time_budget_s="
+                  f"{t.get('time_budget_s', 0):g} this run plans anew", flush=True)
         logging.info("resumed from step %d in %s", step, workdir)
         if lead:
             print(f"resuming from checkpoint at step {step}", flush=True)
@@ -130,7 +137,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
     tokens_per_step = t.batch_size * t.seq_len
     peak = t.peak_gflops or flops_lib.measure_matmul_gflops()
     total = int(planned or t.steps)  # the run's last step (time_budget_s may lower it, once)
-    budgeted = t.get("time_budget_s", 0) > 0  # configs saved before the key: none
     planner = BudgetPlanner(t) if budgeted and planned is None else None
     progress = Progress(total, step, tokens_per_step,
                         flops_lib.flops_per_token(config.model, setup.n_params, t.seq_len),
@@ -139,14 +145,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
     wandb = Wandb(config, workdir, run_id) if lead else None
     meta = {"config": config.to_dict(), "wandb_run_id": wandb.run_id if wandb else run_id}
     if planned:
-        meta["planned_steps"] = total
+        meta["budget"] = {"planned_steps": total, "configured_steps": t.steps}
     if lead:
         print(f"{config.model.family}: {setup.n_params / 1e6:.2f}M parameters, mesh "
               f"{dict(setup.mesh.shape)}, {tokens_per_step} tokens/step, steps {step}->{total}",
               flush=True)
         print(f"sharding: {sharding_summary(state['params'])}", flush=True)
 
-    train_step = make_jitted_step(setup, budgeted=budgeted or planned is not None)
+    train_step = make_jitted_step(setup, budgeted=budgeted)
 
     def log(record):
         if lead:
@@ -165,9 +171,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     start_time, stopped, compiling = time.perf_counter(), None, True
     with _StopFlag() as stop:
         while step < total:
+            began = time.perf_counter()  # a timed step includes making its batch
             batch = next(train_iter)
             timed = planner is not None and planner.wants_timing(batch["inputs"].shape)
-            began = time.perf_counter()
             state, metrics = train_step(state, setup.put_batch(batch), total)
             step += 1
             if compiling or timed:  # exclude compilation from the first throughput figure
@@ -179,7 +185,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                                                     time.perf_counter() - began)) is not None:
                 if jax.process_count() > 1:  # every process takes process 0's choice
                     chosen = int(multihost_utils.broadcast_one_to_all(np.int32(chosen)))
-                total = progress.total = meta["planned_steps"] = chosen
+                total = progress.total = chosen
+                meta["budget"] = {"planned_steps": chosen, "configured_steps": t.steps}
                 if lead:
                     print(planner.describe(step, chosen), flush=True)
                     with open(os.path.join(workdir, "budget.json"), "w") as f:
