@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from nlearn.train.optim import wsd_stable_end
+from nlearn.train.optim import warmup_steps, wsd_stable_end
 
 TIMED_STEPS = 8  # steps of the task's shape timed before planning (after its compiling step)
 SAFETY = 0.98  # fraction of the remaining budget the forecast may fill (timing noise, checkpoints)
@@ -65,7 +65,7 @@ class BudgetPlanner:
         self.t = train_config
         self.budget_s = float(train_config.time_budget_s)
         self.task_len = train_config.seq_len  # curriculum windows are shorter
-        self.warmup = min(train_config.warmup_steps, max(train_config.steps - 1, 0))
+        self.warmup = warmup_steps(train_config)
         self.durations: list[float] = []
         self.last_shape = None
         self.eval_s_per_step = 0.0  # the last periodic eval's time, spread over eval_every steps

@@ -19,6 +19,11 @@ def schedule_name(train) -> str:
     return train.get("schedule", "cosine")
 
 
+def warmup_steps(train) -> int:
+    """`train.warmup_steps`, at most all steps but one (of the configured total, whatever the run's)."""
+    return min(train.warmup_steps, max(train.steps - 1, 0))
+
+
 def learning_rate(config, total=None) -> optax.Schedule:
     """Linear warmup to `train.lr`, then down to `lr * min_lr_ratio` at `train.steps`: "cosine" decays
     all the way; "wsd" (warmup-stable-decay) holds the peak and decays linearly over the last
@@ -28,7 +33,7 @@ def learning_rate(config, total=None) -> optax.Schedule:
     traced int32 array: a time-budgeted run (`nlearn.train.budget`) chooses its total after compiling
     its train step. The boundary comes in computed by Python, as below, so both agree exactly."""
     t = config.train
-    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+    warmup = warmup_steps(t)
     end = t.lr * t.min_lr_ratio
     if schedule_name(t) == "cosine":
         if total is not None:
@@ -54,7 +59,7 @@ def wsd_stable_end(steps: int, warmup: int, decay_fraction: float) -> int:
 def wsd_total(config, steps: int) -> np.ndarray:
     """`[steps, stable_end]` (int32) of a WSD over `steps`, for `learning_rate(config, total)`."""
     t = config.train
-    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+    warmup = warmup_steps(t)
     return np.array([steps, wsd_stable_end(steps, warmup, t.decay_fraction)], np.int32)
 
 
