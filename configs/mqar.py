@@ -78,7 +78,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 # the runs pass 99% within 10 minutes (seed 1 with the WSD over 900 / 1000 steps: 98.6% / 99.5%).
 # On a faster CPU (a later session; other rounding) the same recipe missed on seeds 0 and 1 (~87% at
 # step 700; on the plateau near 50%), and so did WSD over 1100 steps (92.8% / 74.8%), a 128x4 second
-# stage, weight decay 0.1 and six other variants (README): the break-out itself is chaotic here.
+# stage, weight decay 0.1 and seven other variants (README): the break-out itself is chaotic here.
 # train.time_budget_s (nlearn.train.budget): on a machine slower than the one that set 790, the run
 # lowers its total at step ~310 (while the WSD is still at its peak) so it ends decayed within 570 s of
 # its start, instead of being stopped at the 10-minute limit at its peak lr. A faster machine trains all
