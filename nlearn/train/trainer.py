@@ -89,7 +89,8 @@ def make_jitted_step(setup, *, budgeted: bool):
 
         replicated = mesh_lib.replicated(setup.mesh)
         jitted = jit(step_with_total, in_shardings=(setup.state_shardings, setup.batch_sharding, replicated))
-        return lambda state, batch, total: jitted(state, batch, jnp.asarray(wsd_total(setup.config, total)))
+        boundaries = functools.lru_cache(maxsize=4)(lambda total: jnp.asarray(wsd_total(setup.config, total)))
+        return lambda state, batch, total: jitted(state, batch, boundaries(total))  # one transfer per total
     jitted = jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype),
                  in_shardings=(setup.state_shardings, setup.batch_sharding))
     return lambda state, batch, total: jitted(state, batch)
@@ -120,11 +121,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if ckpt.steps():
         step, state, meta = ckpt.restore(setup.abstract_state, train_iter)
         run_id = meta.get("wandb_run_id")
-        chosen = meta.get("budget")  # a time-budgeted run keeps the total it chose...
-        if chosen and budgeted and chosen["configured_steps"] == t.steps:
-            planned = chosen["planned_steps"]
-        elif chosen and lead:  # ...unless the rerun changed the budget or the steps
-            print(f"the checkpoint's run chose {chosen['planned_steps']} of {chosen['configured_steps']} steps "
+        saved = meta.get("budget")  # a time-budgeted run keeps the total it chose...
+        if saved and budgeted and saved["configured_steps"] == t.steps:
+            planned = saved["planned_steps"]
+        elif saved and lead:  # ...unless the rerun changed the budget or the steps
+            print(f"the checkpoint's run chose {saved['planned_steps']} of {saved['configured_steps']} steps "
                   f"for its time budget; with train.steps={t.steps} and train.time_budget_s="
                   f"{t.get('time_budget_s', 0):g} this run plans anew", flush=True)
         logging.info("resumed from step %d in %s", step, workdir)
@@ -176,7 +177,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             timed = planner is not None and planner.wants_timing(batch["inputs"].shape)
             state, metrics = train_step(state, setup.put_batch(batch), total)
             step += 1
-            if compiling or timed:  # exclude compilation from the first throughput figure
+            if compiling or timed:  # compilation stays out of the first throughput figure; timed steps end here
                 jax.block_until_ready(metrics)
             if compiling:
                 progress.reset_clock(step)
