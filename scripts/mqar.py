@@ -49,6 +49,8 @@ def preset_fingerprint(presets, family: str, extra: list[str]) -> str:
         resolved["train"].pop("decay_fraction", None)
     if not resolved["train"].get("time_budget_s"):  # no budget: hash as before the key existed
         resolved["train"].pop("time_budget_s", None)
+    if not resolved["data"]["mqar"].get("query_start"):  # the default layout: likewise
+        resolved["data"]["mqar"].pop("query_start", None)
     config = json.dumps(resolved, sort_keys=True, default=str)
     return hashlib.sha1((config + "\0" + "\0".join(extra)).encode()).hexdigest()[:12]
 
@@ -132,7 +134,9 @@ def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
     if not spec:
         return ""
     parts = [f"{s.steps} steps of {batch_size * seq_len // s.seq_len} windows of {s.seq_len} tokens "
-             f"with {s.num_pairs} pairs" for s in parse_curriculum(spec, seq_len)]
+             f"with {s.num_pairs} pairs"
+             + (f" queried from position {s.query_start} on" if s.query_start else "")
+             for s in parse_curriculum(spec, seq_len)]
     return (" Curriculum: the first " + ", then ".join(parts) + " (the same tokens per step); "
             "evaluation is on the task only.")
 

@@ -12,6 +12,12 @@ Evaluation always uses the task's own windows.
 `StagedIterator` hands out one stage's batches after another and checkpoints like a grain
 iterator (get_state/set_state with bytes), so a resumed run continues in the right stage at the
 right position.
+
+A stage may also say where its queries start: "128x4@64:150" is 150 steps of 128-token windows
+whose 4 pairs end at position 64 (filler before them) and whose queries all come from there on.
+A model that attends within 64-token segments (titans_mac) can answer those only from its
+memory, so such a stage trains the memory before attention learns to answer from nearby pairs
+(data.mqar.query_start).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import ml_collections
 
 from nlearn.errors import UserError
 
-_STAGE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*:\s*(\d+)\s*$")
+_STAGE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:@\s*(\d+)\s*)?:\s*(\d+)\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,7 @@ class Stage:
     seq_len: int
     num_pairs: int
     steps: int
+    query_start: int = 0  # 0: right after the pairs
 
 
 def parse_curriculum(spec: str, seq_len: int) -> list[Stage]:
@@ -42,27 +49,35 @@ def parse_curriculum(spec: str, seq_len: int) -> list[Stage]:
         m = _STAGE.match(part)
         if not m:
             raise UserError(f"data.mqar.curriculum: cannot read stage {part.strip()!r}; expected "
-                            f"'LENxPAIRS:STEPS' stages separated by commas, e.g. '64x4:300'")
-        stage = Stage(*(int(g) for g in m.groups()))
+                            f"'LENxPAIRS:STEPS' or 'LENxPAIRS@QUERY_START:STEPS' stages separated "
+                            f"by commas, e.g. '64x4:300' or '128x4@64:150,64x4:100'")
+        length, pairs, start, steps = (int(g or 0) for g in m.groups())
+        stage = Stage(length, pairs, steps, start)
         if stage.seq_len < 1 or seq_len % stage.seq_len:
             raise UserError(f"data.mqar.curriculum: stage length {stage.seq_len} must divide "
                             f"train.seq_len={seq_len} (each stage keeps the tokens per step)")
         if 4 * stage.num_pairs > stage.seq_len or stage.num_pairs < 1:
             raise UserError(f"data.mqar.curriculum: stage {part.strip()!r} needs 1 <= pairs <= "
                             f"length / 4 (the pairs, then one query slot per pair)")
+        if stage.query_start and not (2 * stage.num_pairs <= stage.query_start
+                                      <= stage.seq_len - 2 * stage.num_pairs):
+            raise UserError(f"data.mqar.curriculum: stage {part.strip()!r} needs 2 * pairs <= query "
+                            f"start <= length - 2 * pairs (the pairs, then one query slot per pair)")
         if stage.steps < 1:
             raise UserError(f"data.mqar.curriculum: stage {part.strip()!r} needs at least 1 step")
         stages.append(stage)
     return stages
 
 
-def stage_config(config: ml_collections.ConfigDict, seq_len: int, num_pairs: int) -> ml_collections.ConfigDict:
+def stage_config(config: ml_collections.ConfigDict, seq_len: int, num_pairs: int,
+                 query_start: int = 0) -> ml_collections.ConfigDict:
     """The config of one stage (no curriculum of its own): windows of seq_len tokens with
-    num_pairs pairs, at the tokens per step of config."""
+    num_pairs pairs and queries from query_start, at the tokens per step of config."""
     c = ml_collections.ConfigDict(config.to_dict())
     c.train.batch_size = int(config.train.batch_size) * (int(config.train.seq_len) // seq_len)
     c.train.seq_len = seq_len
     c.data.mqar.num_pairs = num_pairs
+    c.data.mqar.query_start = query_start
     c.data.mqar.curriculum = ""
     return c
 

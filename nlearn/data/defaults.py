@@ -71,10 +71,12 @@ def data_config() -> ml_collections.ConfigDict:
     c.mqar = ml_collections.ConfigDict({
         "num_pairs": 16,          # key-value pairs per window, each queried once
         "power_a": 0.01,          # query slot s drawn with p ~ (s + 1) ** (power_a - 1)
+        "query_start": 0,         # > 0: the pairs end and the queries start here (0: pairs first)
         "train_examples": 100_000,
         "eval_examples": 1000,
         # Train first on shorter, easier windows: "64x4:300" = 300 steps of 64-token windows
-        # with 4 pairs (same tokens per step), then the task; see nlearn/data/curriculum.py.
+        # with 4 pairs (same tokens per step), then the task; "128x4@64:150" puts a stage's
+        # pairs just before position 64 and its queries after; see nlearn/data/curriculum.py.
         "curriculum": "",
     })
     return c

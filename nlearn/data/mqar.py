@@ -42,9 +42,10 @@ _SEED_TAG = 0x6D716172  # "mqar": keeps these seed streams apart from other Seed
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 
-def query_slots(seq_len: int, num_pairs: int) -> int:
-    """Number of two-token (key, value) slots in the query region, as in Zoology."""
-    return (seq_len - 2 * num_pairs) // 2
+def query_slots(seq_len: int, num_pairs: int, query_start: int = 0) -> int:
+    """Number of two-token (key, value) slots in the query region, as in Zoology; the region
+    starts right after the pairs, at position `query_start` when that is set (> 0)."""
+    return (seq_len - (query_start or 2 * num_pairs)) // 2
 
 
 @functools.lru_cache(maxsize=32)
@@ -65,11 +66,11 @@ def draw_slots(rng: np.random.Generator, p: np.ndarray, k: int) -> np.ndarray:
 
 
 def check_args(seq_len: int, num_pairs: int, vocab_size: int, power_a: float,
-               names: Optional[Mapping[str, str]] = None) -> None:
+               names: Optional[Mapping[str, str]] = None, query_start: int = 0) -> None:
     """UserError unless the arguments admit an MQAR window; `names` maps each argument to
     the config key the message should name."""
     n = {"seq_len": "seq_len", "num_pairs": "num_pairs", "vocab_size": "vocab_size",
-         "power_a": "power_a", **(names or {})}
+         "power_a": "power_a", "query_start": "query_start", **(names or {})}
     if num_pairs < 1:
         raise UserError(f"{n['num_pairs']} must be at least 1, got {num_pairs}")
     if 4 * num_pairs > seq_len:
@@ -82,10 +83,15 @@ def check_args(seq_len: int, num_pairs: int, vocab_size: int, power_a: float,
                         f"{vocab_size}")
     if not (math.isfinite(power_a) and power_a > 0):
         raise UserError(f"{n['power_a']} must be a positive number, got {power_a}")
+    if query_start and not (2 * num_pairs <= query_start and query_slots(seq_len, num_pairs, query_start) >= num_pairs):
+        raise UserError(f"{n['query_start']}={query_start} must be 0 (the pairs at the start) or "
+                        f"between 2 * {n['num_pairs']} = {2 * num_pairs} and {n['seq_len']} - 2 * "
+                        f"{n['num_pairs']} = {seq_len - 2 * num_pairs} (one query slot per pair)")
 
 
 def mqar_example(rng: np.random.Generator, *, seq_len: int, num_pairs: int, vocab_size: int,
-                 power_a: float = 0.01, random_filler: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 power_a: float = 0.01, random_filler: bool = False,
+                 query_start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """One MQAR window: (tokens int32 [seq_len + 1], weights float32 [seq_len + 1]).
 
     weights[t] = 1 exactly where tokens[t] is a queried value (tokens[t - 1] its key), so
@@ -95,17 +101,23 @@ def mqar_example(rng: np.random.Generator, *, seq_len: int, num_pairs: int, voca
     random_filler: the query region's filler is drawn uniformly from [1, vocab_size) minus this
     window's keys instead of 0 (Zoology's random_non_queries, without its chance repeats of a
     key, which would make some answers ambiguous); drawn after everything else, so the pairs
-    and slots are those of random_filler=False."""
-    check_args(seq_len, num_pairs, vocab_size, power_a)
+    and slots are those of random_filler=False.
+
+    query_start > 0: the pairs end and the queries start at that position, filler before the
+    pairs; e.g. a segmented model (titans_mac) must then answer every query from the segment
+    before, while the gaps stay as short as in Zoology's layout (query_start = 0: the pairs
+    at the start); a curriculum stage, nlearn.data.curriculum."""
+    check_args(seq_len, num_pairs, vocab_size, power_a, query_start=query_start)
     half = vocab_size // 2
     keys = rng.choice(half - 1, size=num_pairs, replace=False) + 1
     values = rng.choice(vocab_size - half, size=num_pairs, replace=False) + half
-    num_slots = query_slots(seq_len, num_pairs)
+    region = query_start or 2 * num_pairs
+    num_slots = query_slots(seq_len, num_pairs, query_start)
     slots = draw_slots(rng, gap_probabilities(num_slots, float(power_a)), num_pairs)
     tokens = np.zeros(seq_len + 1, np.int32)
-    tokens[0:2 * num_pairs:2] = keys
-    tokens[1:2 * num_pairs:2] = values
-    key_pos = 2 * num_pairs + 2 * slots
+    tokens[region - 2 * num_pairs:region:2] = keys
+    tokens[region - 2 * num_pairs + 1:region:2] = values
+    key_pos = region + 2 * slots
     tokens[key_pos] = keys
     tokens[key_pos + 1] = values
     weights = np.zeros(seq_len + 1, np.float32)
@@ -122,13 +134,16 @@ class MqarExamples(collections.abc.Sequence):
     {"tokens", "weights"}; record i is generated from SeedSequence([tag, stream, seed, i])."""
 
     def __init__(self, num_examples: int, stream: int, seed: int, *, seq_len: int,
-                 num_pairs: int, vocab_size: int, power_a: float, random_filler: bool = False):
-        check_args(seq_len, num_pairs, vocab_size, power_a)
+                 num_pairs: int, vocab_size: int, power_a: float, random_filler: bool = False,
+                 query_start: int = 0):
+        check_args(seq_len, num_pairs, vocab_size, power_a, query_start=query_start)
         self.num_examples, self.stream, self.seed = int(num_examples), int(stream), int(seed)
         self.kwargs = dict(seq_len=int(seq_len), num_pairs=int(num_pairs),
                            vocab_size=int(vocab_size), power_a=float(power_a))
         if random_filler:
             self.kwargs["random_filler"] = True
+        if query_start:
+            self.kwargs["query_start"] = int(query_start)
 
     def __len__(self) -> int:
         return self.num_examples
@@ -156,9 +171,11 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
         raise UserError("data.source='mqar' needs a config.data.mqar section (see data_config())")
     seq_len, vocab = int(config.train.seq_len), int(config.data.vocab_size)
     num_pairs, power_a = int(m.num_pairs), float(m.power_a)
-    check_args(seq_len, num_pairs, vocab, power_a,
+    query_start = int(m.get("query_start", 0))  # configs saved before the key: 0
+    check_args(seq_len, num_pairs, vocab, power_a, query_start=query_start,
                names={"seq_len": "train.seq_len", "num_pairs": "data.mqar.num_pairs",
-                      "vocab_size": "data.vocab_size", "power_a": "data.mqar.power_a"})
+                      "vocab_size": "data.vocab_size", "power_a": "data.mqar.power_a",
+                      "query_start": "data.mqar.query_start"})
     counts = {}
     for split in ("train_examples", "eval_examples"):
         counts[split] = int(m[split])
@@ -168,6 +185,8 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
     task = dict(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab, power_a=power_a)
     if m.get("random_filler", False):  # a key only when set: keeps earlier corpus keys
         task["random_filler"] = True
+    if query_start:  # likewise
+        task["query_start"] = query_start
     key = "mqar-" + cache.short_hash([_VERSION, task, counts, seed])
     return Corpus(
         key=key,
@@ -176,7 +195,8 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
         vocab_size=vocab,
         pack=False,
         description=(f"mqar: {num_pairs} pairs, seq_len {seq_len}, vocab {vocab}, power_a "
-                     f"{power_a}{', random filler' if task.get('random_filler') else ''}; "
+                     f"{power_a}{', random filler' if task.get('random_filler') else ''}"
+                     f"{f', queries from position {query_start}' if query_start else ''}; "
                      f"{counts['train_examples']} train / "
                      f"{counts['eval_examples']} eval examples (seed {seed})"),
     )

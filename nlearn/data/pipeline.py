@@ -207,7 +207,8 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     spec = d.mqar.get("curriculum", "") if d.source == "mqar" and d.get("mqar") else ""
     if spec:
         stages = curriculum.parse_curriculum(spec, seq_len)
-        shapes = [(s.seq_len, s.num_pairs) for s in stages] + [(seq_len, int(d.mqar.num_pairs))]
+        shapes = ([(s.seq_len, s.num_pairs, s.query_start) for s in stages]
+                  + [(seq_len, int(d.mqar.num_pairs), int(d.mqar.get("query_start", 0)))])
         configs = [curriculum.stage_config(config, *shape) for shape in shapes]  # last: the task
         return curriculum.StagedIterator(stages, lambda i: make_train_iterator(
             configs[i], process_index=process_index, process_count=process_count))

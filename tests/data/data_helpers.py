@@ -74,11 +74,15 @@ def take(it, n):
     return [next(it) for _ in range(n)]
 
 
-def check_example(tokens, weights, seq_len, num_pairs, vocab):
+def check_example(tokens, weights, seq_len, num_pairs, vocab, query_start=0):
     """Every structural property of one window (see nlearn/data/mqar.py)."""
     assert tokens.shape == weights.shape == (seq_len + 1,)
     assert tokens.dtype == np.int32 and weights.dtype == np.float32
     p2, half = 2 * num_pairs, vocab // 2
+    skip = (query_start or p2) - p2  # filler before the pairs
+    assert np.all(tokens[:skip] == 0)
+    tokens, weights = tokens[skip:], weights[skip:]  # now as with the pairs first
+    seq_len -= skip
     keys, values = tokens[0:p2:2], tokens[1:p2:2]
     assert len(set(keys)) == len(set(values)) == num_pairs
     assert keys.min() >= 1 and keys.max() < half

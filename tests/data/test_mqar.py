@@ -23,6 +23,21 @@ def test_example_structure(seq_len, num_pairs, vocab):
         check_example(tokens, weights, seq_len, num_pairs, vocab)
 
 
+@pytest.mark.parametrize("seq_len,num_pairs,query_start", [(128, 4, 64), (64, 4, 8), (64, 4, 56), (33, 4, 25)])
+def test_query_start_moves_every_query_past_it(seq_len, num_pairs, query_start):
+    """data.mqar.query_start: the pairs end there and every query comes after, with the gaps of
+    the layout without filler (the first slot is the likeliest)."""
+    rng = np.random.default_rng(query_start)
+    first_key = []
+    for _ in range(200):
+        tokens, weights = mqar.mqar_example(rng, seq_len=seq_len, num_pairs=num_pairs, vocab_size=128,
+                                            query_start=query_start)
+        check_example(tokens, weights, seq_len, num_pairs, 128, query_start=query_start)
+        assert np.all(tokens[:query_start - 2 * num_pairs] == 0)
+        first_key.append(np.flatnonzero(weights).min() - 1)
+    assert min(first_key) == query_start
+
+
 def test_query_slots_follow_successive_power_law_sampling():
     seq_len, n = 64, 6000
     p = mqar.gap_probabilities(mqar.query_slots(seq_len, 1), 0.01)
@@ -132,6 +147,10 @@ def test_default_config_and_errors(mqar_config):
             get_corpus(mqar_config(**kwargs))
     with pytest.raises(UserError, match=r"data\.mqar\.num_pairs=17"):
         make_train_iterator(mqar_config(num_pairs=17))
+    for start in (7, 57):  # inside the pairs; too few slots left for 4 queries
+        with pytest.raises(UserError, match=rf"data\.mqar\.query_start={start} must be 0 .* = 8 and .* = 56"):
+            get_corpus(mqar_config(query_start=start))
+    assert "queries from position 56" in get_corpus(mqar_config(query_start=56)).description
     with pytest.raises(UserError, match=r"needs seq_len >= 4"):
         mqar.mqar_example(np.random.default_rng(0), seq_len=10, num_pairs=3, vocab_size=64)
 

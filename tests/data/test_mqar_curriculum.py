@@ -19,14 +19,14 @@ def example_rows(batch):
 
 
 def test_stages_then_the_task_at_equal_tokens_per_step(mqar_config):
-    config = mqar_config(curriculum="16x2:2, 32x4:1")  # task: 64 tokens, 4 pairs, batch 4
+    config = mqar_config(curriculum="16x2:2, 32x4@16:1")  # task: 64 tokens, 4 pairs, batch 4
     batches = take(make_train_iterator(config), 5)
-    expected = [(16, 16, 2), (16, 16, 2), (8, 32, 4), (4, 64, 4), (4, 64, 4)]
-    for b, (rows, length, pairs) in zip(batches, expected):
+    expected = [(16, 16, 2, 0), (16, 16, 2, 0), (8, 32, 4, 16), (4, 64, 4, 0), (4, 64, 4, 0)]
+    for b, (rows, length, pairs, start) in zip(batches, expected):
         assert b["inputs"].shape == (rows, length) and b["inputs"].size == 4 * 64
         np.testing.assert_array_equal(b["weights"].sum(axis=1), pairs)
         for tokens, weights in example_rows(b):
-            check_example(tokens, weights, length, pairs, 128)
+            check_example(tokens, weights, length, pairs, 128, query_start=start)
     # After the stages, the task's own stream, exactly as without a curriculum.
     plain = take(make_train_iterator(mqar_config()), 1)[0]
     np.testing.assert_array_equal(batches[3]["inputs"], plain["inputs"])
@@ -73,10 +73,13 @@ def test_changed_curriculum_is_refused_on_resume(mqar_config):
 def test_parse_and_errors():
     assert parse_curriculum("", 256) == []
     assert parse_curriculum(" 64x4:300 ,128x8:50", 256) == [Stage(64, 4, 300), Stage(128, 8, 50)]
+    assert parse_curriculum("128x4@64:150,64x4 @ 8:2", 256) == [Stage(128, 4, 150, 64), Stage(64, 4, 2, 8)]
     for spec, message in [("64:300", "cannot read stage '64:300'"),
                           ("64x4", "cannot read stage"),
                           ("48x4:10", "stage length 48 must divide train.seq_len=256"),
-                          ("64x4:0", "stage .64x4:0. needs at least 1 step")]:
+                          ("64x4:0", "stage .64x4:0. needs at least 1 step"),
+                          ("64x4@7:10", r"stage .64x4@7:10. needs 2 \* pairs <= query start"),
+                          ("64x4@57:10", r"stage .64x4@57:10. needs 2 \* pairs <= query start")]:
         with pytest.raises(UserError, match=f"data.mqar.curriculum: {message}"):
             parse_curriculum(spec, 256)
     assert StagedIterator([Stage(16, 2, 2), Stage(32, 4, 3)], None).ends == [2, 5]
