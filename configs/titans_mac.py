@@ -1,12 +1,12 @@
 """Titans MAC (memory as a context): per segment of `model.segment_len` tokens, attention over
-[persistent ‖ memory retrieval ‖ segment], then the memory learns from the attention output (with
-its residual) and its read is added to it.
+[persistent ‖ memory retrieval ‖ segment], then the memory learns from the segment's tokens (with
+the attention output too under mac_memory_input="x+y") and its read is added to the attention output.
 
 Presets: tiny, 170m, 340m, 400m, 760m (Titans paper sizes; 32k vocabulary, untied head).
   nlearn-train --config=configs/titans_mac.py:tiny --workdir=runs/mac
 Ablate with one override: --config.model.segment_len=32, --config.model.num_persistent=0,
---config.model.mac_output=gate, --config.model.attn_conv_size=0, --config.model.memory.optimizer=sgd,
-.minibatch=4, .depth=1, .decay=False.
+--config.model.mac_output=gate, --config.model.mac_memory_input=x+y, --config.model.attn_conv_size=0,
+--config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
 """
 
 from nlearn.memory_config import neural_memory_config
@@ -15,7 +15,9 @@ from nlearn.presets import family_config
 # Not given in the Titans paper (chosen here): segment length C and N_p persistent tokens.
 # attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
 # mac_output: how y and the memory's read combine, "add" or "gate" (nlearn.layers.titans.MACMixer).
-SHARED = dict(attn_conv_size=4, mac_output="add")
+# mac_memory_input: what the memory learns from, "x" (the segment's tokens) or "x+y" (with the
+# attention output; the memory then learns recall across segments far more slowly, MACMixer).
+SHARED = dict(attn_conv_size=4, mac_output="add", mac_memory_input="x")
 TINY = dict(segment_len=64, num_persistent=4, **SHARED)
 PAPER = dict(segment_len=512, num_persistent=16, **SHARED)
 

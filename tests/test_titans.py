@@ -114,6 +114,8 @@ SCHEDULE = [6, 1, 1, 6, 1, 6]
     ("titans_mac", 2, {}), ("titans_mac", 3, {}), ("titans_mag", 4, {}), ("titans_mal", 4, {}),
     # Eq. 25's gate, and no attention convs (the presets add the read and use convs of 4).
     ("titans_mac", 2, dict(mac_output="gate", attn_conv_size=0)),
+    # The memory written from the attention sub-layer's output too (the presets: the tokens only).
+    ("titans_mac", 2, dict(mac_memory_input="x+y")),
 ])
 def test_causal_and_decoding_equals_full_forward_across_segments(family, minibatch, model):
     config = small(family, segment_len=4, **model)
@@ -171,6 +173,7 @@ def test_presets_have_named_sizes(family):
     ("titans_mac", "segment_len", 0), ("titans_mac", "num_persistent", -1), ("titans_mac", "window", 16),
     ("titans_mag", "window", 0), ("titans_mal", "window", 0), ("titans_mal", "num_persistent", -2),
     ("titans_mag", "head_dim", 7), ("titans_mac", "mac_output", "mul"), ("titans_mal", "attn_conv_size", -1),
+    ("titans_mac", "mac_memory_input", "y"),
 ])
 def test_invalid_values_are_refused(family, key, value):
     config = small(family, **{key: value})

@@ -51,11 +51,17 @@ def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> At
 
 UNROLL_SEGMENTS = 8  # MAC unrolls its loop over segments up to this many segments
 MAC_OUTPUTS = ("add", "gate")  # how MAC combines the attention output and the memory's read
+MAC_MEMORY_INPUTS = ("x+y", "x")  # what MAC's memory learns from: the tokens with or without y
 
 
 def mac_output(cfg) -> str:
     """`model.mac_output`; configs saved before the key had the gate."""
     return cfg.get("mac_output", "gate")
+
+
+def mac_memory_input(cfg) -> str:
+    """`model.mac_memory_input`; configs saved before the key wrote x + y."""
+    return cfg.get("mac_memory_input", "x+y")
 
 
 def _select(flag, a, b):
@@ -76,10 +82,11 @@ class MACMixer(nnx.Module):
       2. attend over `[persistent ‖ r ‖ x]` of this segment: query i sees all N_p persistent
          entries and r_j, x_j for j <= i (r_j depends on x_j, so this keeps causality), giving
          `y = Attn(...) W_o` (N_p + 2C keys per query: O(T·C), never a T×T mask);
-      3. write y into the memory: the LMM mixer over the segment from the state after the
-         previous segment, its k, v, q projections of RMSNorm(x + y) (the attention sub-layer's
-         output with its residual, so the memory sees the tokens as well as what attention
-         gathered); its per-token read is read-after-write, so it is causal token by token;
+      3. write into the memory: the LMM mixer over the segment from the state after the
+         previous segment, its k, v, q projections of RMSNorm(x + y) (`model.mac_memory_input=
+         "x+y"`: the attention sub-layer's output with its residual, so the memory sees the
+         tokens as well as what attention gathered) or of RMSNorm(x) (`"x"`: the segment's
+         tokens); its per-token read is read-after-write, so it is causal token by token;
       4. combine y with that read `m = M_s*(·)` (Titans eq. 25, `o = y ⊗ M*(y)`):
          `model.mac_output="add"`: `o = y + m`, m being the LMM mixer's output (its read,
          RMS-normalised, through its SiLU gate and output projection); `"gate"`:
@@ -113,6 +120,7 @@ class MACMixer(nnx.Module):
         self.lmm_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
         self.combine = mac_output(cfg)
+        self.memory_sees_y = mac_memory_input(cfg) == "x+y"
         self.gate_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs) if self.combine == "gate" else None
 
     # --- pieces shared by training and decoding -----------------------------------------------
@@ -138,10 +146,10 @@ class MACMixer(nnx.Module):
         return jnp.concatenate(ks, 1), jnp.concatenate(vs, 1)
 
     def _output(self, x_BTD, y_BTHK, lmm_cache):
-        """Steps 3-4: write the attention sub-layer's output (with its residual) into the memory,
-        combine y with the memory's read."""
+        """Steps 3-4: write the tokens (with the attention sub-layer's output when
+        `memory_sees_y`) into the memory, combine y with the memory's read."""
         y = self.attn.project_out(y_BTHK)
-        m, lmm_cache = self.lmm(self.lmm_norm(x_BTD + y), lmm_cache)
+        m, lmm_cache = self.lmm(self.lmm_norm(x_BTD + y if self.memory_sees_y else x_BTD), lmm_cache)
         if self.combine == "add":
             return y + m, lmm_cache
         return y * jax.nn.sigmoid(self.gate_norm(m)), lmm_cache

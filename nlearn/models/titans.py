@@ -4,13 +4,15 @@ The shared backbone (`nlearn.models.lm`) with a Titans mixer in every block; the
 `nlearn.layers.titans`. Config keys beyond the memory section: `model.num_persistent` (all three),
 `model.segment_len` (MAC), `model.window` (MAG, MAL: the sliding window, > 0), `model.attn_conv_size`
 (all three: short convs on the attention's q, k, v; 0 disables), `model.mac_output` (MAC: "add" or
-"gate", how the attention output and the memory's read combine).
+"gate", how the attention output and the memory's read combine), `model.mac_memory_input` (MAC: "x"
+or "x+y", whether the memory learns from the tokens alone or with the attention output).
 """
 
 from __future__ import annotations
 
 from nlearn.errors import UserError
-from nlearn.layers.titans import MAC_OUTPUTS, MACMixer, MAGMixer, MALMixer, mac_output
+from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MACMixer, MAGMixer, MALMixer,
+                                  mac_memory_input, mac_output)
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
@@ -43,6 +45,8 @@ def validate_mac(config) -> None:
     _int_at_least(config.model, "segment_len", 1)
     if mac_output(config.model) not in MAC_OUTPUTS:
         _fail("mac_output", config.model.mac_output, f"valid choices: {', '.join(MAC_OUTPUTS)}")
+    if mac_memory_input(config.model) not in MAC_MEMORY_INPUTS:
+        _fail("mac_memory_input", config.model.mac_memory_input, f"valid choices: {', '.join(MAC_MEMORY_INPUTS)}")
     if config.model.window:
         _fail("window", config.model.window, "titans_mac attends within segments; set model.segment_len "
               "instead (model.window must be 0)")
