@@ -39,7 +39,7 @@ class Stage:
     seq_len: int
     num_pairs: int
     steps: int
-    query_start: int = 0  # 0: right after the pairs
+    query_start: int = 0  # where the pairs end and the queries start; 0: the pairs at the start
 
 
 def parse_curriculum(spec: str, seq_len: int) -> list[Stage]:
