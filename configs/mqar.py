@@ -93,8 +93,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 # at step 1300 (seeds 0 / 1; 91.6% / 95.9% at 800); titans_lmm's "64x4:300" left seed 1 on the plateau.
 # 1300 steps take ~7 minutes on this repo's current 2-core machine; where they do not fit, the time
 # budget lowers the total (to ~800 on the slower machine that set 790). On two cores, as `make mqar` runs
-# it: seeds 0 / 1 / 2 99.3% / 60.7% / 99.1% (seed 1 on the ~50% plateau from step 400 to 700): better than
-# the old design's 0 of 3 here, still not reliable. "64x4:150,128x8:300": seeds 1 / 2 98.9% / 98.7%.
+# it: seeds 0-4 99.3% / 60.7% / 99.1% / 99.2% / 99.4% (seed 1 on the ~50% plateau from step 400 to 700):
+# better than the old design's 0 of 3 here, still not reliable. "64x4:150,128x8:300": seeds 1 / 2 98.9% / 98.7%.
 FAMILY_TRAINING: dict[str, dict] = {
     "titans_mac": {"data.mqar.curriculum": "64x4:150,128x8:150", "train.steps": 1300,
                    "train.schedule": "wsd", "train.decay_fraction": 0.5, "train.time_budget_s": 570.0},
