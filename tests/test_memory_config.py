@@ -42,3 +42,26 @@ def test_conv_init_choices():
     config.model.memory.conv_init = "zeros"
     with pytest.raises(UserError, match="model.memory.conv_init='zeros'"):
         config_lib.validate(config)
+
+
+def test_decay_init_sets_the_forgetting_gates_start():
+    """memory.decay_init is alpha at initialisation (the gate's bias is its logit); the default is
+    the former hard-coded sigmoid(-4); values outside (0, 1) are refused naming the key."""
+    import jax
+    from flax import nnx
+
+    from nlearn import config as config_lib
+    from nlearn.errors import UserError
+    from nlearn.layers.memory_mixer import NeuralMemoryMixer
+
+    config = load_family_config("titans_lmm")
+    model = config.model
+    assert float(NeuralMemoryMixer(model, rngs=nnx.Rngs(0)).decay_gate.bias[0]) == -4.0
+    model.memory.decay_init = 1e-3
+    bias = NeuralMemoryMixer(model, rngs=nnx.Rngs(0)).decay_gate.bias[...]
+    assert jax.nn.sigmoid(bias) == pytest.approx(1e-3, rel=1e-5)
+    config_lib.validate(config)
+    for bad in (0.0, 1.0, -0.5):
+        model.memory.decay_init = bad
+        with pytest.raises(UserError, match="model.memory.decay_init"):
+            config_lib.validate(config)

@@ -20,6 +20,7 @@ from nlearn.memory.linear_attention import LinearAttentionState, linear_attentio
 from nlearn.memory.neural_memory import init_state as neural_memory_init_state
 from nlearn.memory.neural_memory import neural_memory, neural_memory_step
 from nlearn.memory.inner_optimizers import get_inner_optimizer
+from nlearn.memory_config import DECAY_INIT
 from nlearn.memory.ttt import ttt_linear, ttt_linear_init_state, ttt_linear_step
 from nlearn.memory.ttt_mlp import ttt_mlp, ttt_mlp_init_state, ttt_mlp_step
 
@@ -185,8 +186,10 @@ class NeuralMemoryMixer(MemoryMixer):
                               if mem.momentum and get_inner_optimizer(mem.optimizer).momentum else None)
         self.decay_gate = (Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
                            if mem.decay else None)
-        if self.decay_gate is not None:  # start with little forgetting: alpha = sigmoid(-4) ~ 0.02
-            self.decay_gate.bias[...] = jnp.full((h,), -4.0, self.decay_gate.bias.dtype)
+        if self.decay_gate is not None:  # start with little forgetting: alpha = memory.decay_init
+            alpha0 = mem.get("decay_init", DECAY_INIT)  # configs saved before the key: sigmoid(-4)
+            bias = math.log(alpha0) - math.log1p(-alpha0)
+            self.decay_gate.bias[...] = jnp.full((h,), bias, self.decay_gate.bias.dtype)
 
     def featurize(self, q, k, v):
         return l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)
