@@ -13,6 +13,7 @@ import os
 import ml_collections
 
 from nlearn.errors import UserError
+from nlearn.memory_config import DECAY_INIT
 
 DTYPES = ("float32", "bfloat16")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
@@ -101,6 +102,40 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+# Keys added after runs were saved, each with the value such a run trained with (not always today's
+# default) and, where only some configs have the key, which (config -> bool).
+MIGRATIONS = (
+    ("train.schedule", "cosine", None),
+    ("train.decay_fraction", 0.2, None),
+    ("train.final_eval", True, None),
+    ("train.cpu_opt_preset", "default", None),
+    ("train.time_budget_s", 0.0, None),
+    ("data.mqar.query_start", 0, None),
+    ("data.mqar.random_filler", False, None),
+    ("data.mqar.curriculum", "", None),
+    ("model.memory.conv_init", "identity", None),
+    ("model.memory.decay_init", DECAY_INIT, lambda c: "decay" in c.model.memory),  # the neural memories
+    ("model.attn_conv_size", 0, lambda c: c.model.family in ("titans_mac", "titans_mag", "titans_mal")),
+    ("model.mac_output", "gate", lambda c: c.model.family == "titans_mac"),
+    ("model.mac_memory_input", "x+y", lambda c: c.model.family == "titans_mac"),
+)
+
+
+def migrate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Add the keys a config saved by an older nlearn lacks (MIGRATIONS), in place, so that it loads,
+    resumes and evaluates as the run it describes; returns it. Today's `configs/` have every key."""
+    for key, value, applies in MIGRATIONS:
+        *path, name = key.split(".")
+        node = config
+        for part in path:
+            node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+        if node is None or name in node or (applies is not None and not applies(config)):
+            continue
+        with node.unlocked():
+            node[name] = value
+    return config
+
+
 def _fail(key: str, value, why: str):
     raise UserError(f"invalid config value {key}={value!r}: {why}")
 
@@ -109,8 +144,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Refuse invalid values with one line naming the key; call before anything runs."""
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
-    from nlearn.train.optim import SCHEDULES, schedule_name
-    from nlearn.train.step import CPU_OPT_PRESETS
+    from nlearn.train.benchmark import CPU_OPT_PRESETS
+    from nlearn.train.optim import SCHEDULES
 
     positive = [
         "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every",
@@ -130,19 +165,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
             _fail(key, config[section][name], "must be >= 0")
     if not 0 <= config.train.min_lr_ratio <= 1:
         _fail("train.min_lr_ratio", config.train.min_lr_ratio, "must be in [0, 1]")
-    if schedule_name(config.train) not in SCHEDULES:
+    if config.train.schedule not in SCHEDULES:
         _fail("train.schedule", config.train.schedule, f"valid: {', '.join(SCHEDULES)}")
-    if "decay_fraction" in config.train and not 0 < config.train.decay_fraction <= 1:
+    if not 0 < config.train.decay_fraction <= 1:
         _fail("train.decay_fraction", config.train.decay_fraction, "must be in (0, 1]")
-    budget = config.train.get("time_budget_s", 0.0)  # configs saved before the key: none
+    budget = config.train.time_budget_s
     if budget < 0:
         _fail("train.time_budget_s", budget, "must be >= 0 (0: no budget)")
-    if budget and schedule_name(config.train) != "wsd":
+    if budget and config.train.schedule != "wsd":
         _fail("train.time_budget_s", budget, "needs train.schedule=wsd (a cosine's lr at every step depends "
               "on the total, so the total cannot be chosen mid-run)")
-    preset = config.train.get("cpu_opt_preset", "default")  # configs saved before the key: default
-    if preset not in CPU_OPT_PRESETS:
-        _fail("train.cpu_opt_preset", preset, f"valid: {', '.join(CPU_OPT_PRESETS)}")
+    if config.train.cpu_opt_preset not in CPU_OPT_PRESETS:
+        _fail("train.cpu_opt_preset", config.train.cpu_opt_preset, f"valid: {', '.join(CPU_OPT_PRESETS)}")
     if config.model.family not in models.FAMILIES:
         _fail("model.family", config.model.family, f"valid families: {', '.join(sorted(models.FAMILIES))}")
     if config.model.dtype not in DTYPES:

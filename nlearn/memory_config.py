@@ -65,6 +65,6 @@ def validate_neural_memory(config) -> None:
             raise UserError(f"invalid config value model.memory.{key}={mem[key]}: must be > 0")
     if mem.max_lr <= 0:
         raise UserError(f"invalid config value model.memory.max_lr={mem.max_lr}: must be > 0")
-    decay_init = mem.get("decay_init", DECAY_INIT)
+    decay_init = mem.decay_init
     if not 0.0 < decay_init < 1.0:
         raise UserError(f"invalid config value model.memory.decay_init={decay_init}: must be in (0, 1)")

@@ -205,23 +205,24 @@ def test_bad_schedule_values_are_refused(key, value):
         validate(config)
 
 
-def test_configs_saved_before_the_schedule_keys_still_validate_as_cosine():
-    from nlearn.config import validate
+def test_configs_saved_before_the_schedule_keys_migrate_to_cosine():
+    from nlearn.config import migrate, validate
     from nlearn.train.optim import learning_rate
 
     import ml_collections
 
-    saved = schedule_config("cosine").to_dict()  # as load_run_config reads an old config.json
+    saved = schedule_config("wsd").to_dict()  # as load_run_config reads an old config.json
     del saved["train"]["schedule"], saved["train"]["decay_fraction"], saved["train"]["cpu_opt_preset"]
-    old = ml_collections.ConfigDict(saved)
+    old = migrate(ml_collections.ConfigDict(saved))
     validate(old)
+    assert old.train.schedule == "cosine" and old.train.cpu_opt_preset == "default"
     assert float(learning_rate(old)(55)) == pytest.approx(float(learning_rate(schedule_config("cosine"))(55)))
 
 
 def test_cpu_opt_preset_reaches_the_compiler_and_a_bad_one_is_refused():
     from nlearn.config import validate
     from nlearn.errors import UserError
-    from nlearn.train.step import compiler_options
+    from nlearn.train.benchmark import compiler_options
 
     config = golden_config()
     assert compiler_options(config.train) is None  # XLA's defaults
@@ -261,7 +262,7 @@ def test_wsd_with_a_traced_total_is_the_optax_schedule():
 
 
 def test_budget_planning_fits_the_steps_and_keeps_the_schedule_so_far():
-    from nlearn.train.budget import fit_total, shortest_total
+    from nlearn.train.benchmark import fit_total, shortest_total
     from nlearn.train.optim import wsd_stable_end
 
     # 100 s left at 1 s per step (98% of it usable): 98 more steps, capped by the configured total.

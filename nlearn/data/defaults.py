@@ -72,6 +72,7 @@ def data_config() -> ml_collections.ConfigDict:
         "num_pairs": 16,          # key-value pairs per window, each queried once
         "power_a": 0.01,          # query slot s drawn with p ~ (s + 1) ** (power_a - 1)
         "query_start": 0,         # > 0: the pairs end and the queries start here (0: pairs first)
+        "random_filler": False,   # query-region filler drawn from the non-key tokens instead of 0
         "train_examples": 100_000,
         "eval_examples": 1000,
         # Train first on shorter, easier windows: "64x4:300" = 300 steps of 64-token windows

@@ -171,7 +171,7 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
         raise UserError("data.source='mqar' needs a config.data.mqar section (see data_config())")
     seq_len, vocab = int(config.train.seq_len), int(config.data.vocab_size)
     num_pairs, power_a = int(m.num_pairs), float(m.power_a)
-    query_start = int(m.get("query_start", 0))  # configs saved before the key: 0
+    query_start = int(m.query_start)
     check_args(seq_len, num_pairs, vocab, power_a, query_start=query_start,
                names={"seq_len": "train.seq_len", "num_pairs": "data.mqar.num_pairs",
                       "vocab_size": "data.vocab_size", "power_a": "data.mqar.power_a",
@@ -183,7 +183,7 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
             raise UserError(f"data.mqar.{split} must be at least 1, got {counts[split]}")
     seed = int(config.train.seed) % 2**64  # SeedSequence takes non-negative entropy only.
     task = dict(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab, power_a=power_a)
-    if m.get("random_filler", False):  # a key only when set: keeps earlier corpus keys
+    if m.random_filler:  # a key only when set: keeps earlier corpus keys
         task["random_filler"] = True
     if query_start:  # likewise
         task["query_start"] = query_start

@@ -6,10 +6,10 @@ import math
 
 import jax
 
-from nlearn.train.step import compiler_options, make_eval_step
+from nlearn.train.step import make_eval_step
 
 
-def make_evaluator(setup):
+def make_evaluator(setup, compiler_options: dict | None = None):
     """`(params, batches) -> {"loss", "perplexity", "accuracy", "tokens"}`, jitted once per setup.
 
     `accuracy` is the weighted next-token argmax accuracy; on MQAR (weights only on answers)
@@ -17,7 +17,7 @@ def make_evaluator(setup):
     """
     step = jax.jit(make_eval_step(setup.graphdef, dtype=setup.dtype),
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
-                   compiler_options=compiler_options(setup.config.train))
+                   compiler_options=compiler_options)
 
     def evaluate(params, batches) -> dict:
         total, count, hits = 0.0, 0.0, 0.0

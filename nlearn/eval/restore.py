@@ -7,18 +7,19 @@ import os
 
 import ml_collections
 
+from nlearn import config as config_lib
 from nlearn.errors import UserError
 from nlearn.train.checkpoint import Checkpointer
 from nlearn.train.state import make_setup
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run saved in its workdir (`config.json`)."""
+    """The config a run saved in its workdir (`config.json`), migrated to today's keys."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise UserError(f"{workdir!r} is not a run directory (no config.json); pass --config or train first")
     with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        return config_lib.migrate(ml_collections.ConfigDict(json.load(f)))
 
 
 def restore_params(config, workdir: str, step: int | None = None):

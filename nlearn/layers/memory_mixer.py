@@ -20,7 +20,6 @@ from nlearn.memory.linear_attention import LinearAttentionState, linear_attentio
 from nlearn.memory.neural_memory import init_state as neural_memory_init_state
 from nlearn.memory.neural_memory import neural_memory, neural_memory_step
 from nlearn.memory.inner_optimizers import get_inner_optimizer
-from nlearn.memory_config import DECAY_INIT
 from nlearn.memory.ttt import ttt_linear, ttt_linear_init_state, ttt_linear_step
 from nlearn.memory.ttt_mlp import ttt_mlp, ttt_mlp_init_state, ttt_mlp_step
 
@@ -47,7 +46,7 @@ class MemoryMixer(nnx.Module):
         self.q = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.k = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.v = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
-        conv_init = mem.get("conv_init", "identity")  # configs saved before the key existed
+        conv_init = mem.conv_init
         self.convs = nnx.List([ShortConv(width, mem.conv_size, init=conv_init, rngs=rngs) for _ in range(3)]
                               if mem.conv_size else [])
         self.out_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
@@ -187,7 +186,7 @@ class NeuralMemoryMixer(MemoryMixer):
         self.decay_gate = (Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
                            if mem.decay else None)
         if self.decay_gate is not None:  # start with little forgetting: alpha = memory.decay_init
-            alpha0 = mem.get("decay_init", DECAY_INIT)  # configs saved before the key: sigmoid(-4)
+            alpha0 = mem.decay_init
             bias = math.log(alpha0) - math.log1p(-alpha0)
             self.decay_gate.bias[...] = jnp.full((h,), bias, self.decay_gate.bias.dtype)
 

@@ -46,7 +46,7 @@ def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> At
     return Attention(cfg.d_model, cfg.num_heads, _head_dim(cfg), window=window,
                      num_persistent=cfg.num_persistent, rope_theta=cfg.rope_theta, std=cfg.init_std,
                      out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), out_proj=out_proj,
-                     conv_size=cfg.get("attn_conv_size", 0), rngs=rngs)  # configs saved before the key: 0
+                     conv_size=cfg.attn_conv_size, rngs=rngs)
 
 
 UNROLL_SEGMENTS = 8  # MAC unrolls its loop over segments up to this many segments
@@ -56,12 +56,12 @@ MAC_MEMORY_INPUTS = ("x+y", "x")  # what MAC's memory learns from: the tokens wi
 
 def mac_output(cfg) -> str:
     """`model.mac_output`; configs saved before the key had the gate."""
-    return cfg.get("mac_output", "gate")
+    return cfg.mac_output
 
 
 def mac_memory_input(cfg) -> str:
     """`model.mac_memory_input`; configs saved before the key wrote x + y."""
-    return cfg.get("mac_memory_input", "x+y")
+    return cfg.mac_memory_input
 
 
 def _select(flag, a, b):

@@ -32,7 +32,7 @@ def validate_config(config) -> None:
     from nlearn.layers.conv import ShortConv
 
     memory = config.model.get("memory")
-    if memory is not None and memory.get("conv_init", "identity") not in ShortConv.INITS:
+    if memory is not None and memory.conv_init not in ShortConv.INITS:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
     family = FAMILIES[config.model.family]

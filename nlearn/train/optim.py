@@ -14,11 +14,6 @@ NO_DECAY = ("embed", "norm", "scale", "bias")  # path fragments exempt from weig
 SCHEDULES = ("cosine", "wsd")
 
 
-def schedule_name(train) -> str:
-    """`train.schedule`; configs saved before the key existed trained (and resume) with the cosine."""
-    return train.get("schedule", "cosine")
-
-
 def warmup_steps(train) -> int:
     """`train.warmup_steps`, at most all steps but one (of the configured total, whatever the run's)."""
     return min(train.warmup_steps, max(train.steps - 1, 0))
@@ -30,12 +25,12 @@ def learning_rate(config, total=None) -> optax.Schedule:
     `train.decay_fraction` of the steps, so a run keeps its full lr until shortly before its end.
 
     `total` (WSD only) replaces `train.steps`: `[steps, stable_end]` from `wsd_total`, which may be a
-    traced int32 array: a time-budgeted run (`nlearn.train.budget`) chooses its total after compiling
+    traced int32 array: a time-budgeted run (`nlearn.train.benchmark`) chooses its total after compiling
     its train step. The boundary comes in computed by Python, as below, so both agree exactly."""
     t = config.train
     warmup = warmup_steps(t)
     end = t.lr * t.min_lr_ratio
-    if schedule_name(t) == "cosine":
+    if t.schedule == "cosine":
         if total is not None:
             raise ValueError("only the wsd schedule takes a total other than train.steps")
         return optax.warmup_cosine_decay_schedule(

@@ -12,20 +12,6 @@ import optax
 from flax import nnx
 
 
-# `train.cpu_opt_preset` -> XLA:CPU's optimisation preset for the jitted train and eval steps.
-CPU_OPT_PRESETS = {"default": "CPU_OPT_PRESET_DEFAULT", "fast_compile": "CPU_OPT_PRESET_FAST_COMPILE",
-                   "fast_runtime": "CPU_OPT_PRESET_FAST_RUNTIME"}
-
-
-def compiler_options(train_config) -> dict | None:
-    """`jax.jit` compiler options from `train.cpu_opt_preset`, on the CPU backend only (the
-    accelerators' compilers have no such option); None leaves XLA's defaults."""
-    preset = train_config.get("cpu_opt_preset", "default")  # configs saved before the key: default
-    if preset == "default" or jax.default_backend() != "cpu":
-        return None
-    return {"xla_cpu_opt_preset": CPU_OPT_PRESETS[preset]}
-
-
 def cast_params(params, dtype):
     """Compute-dtype copy of float32 params (bf16 compute keeps float32 master weights)."""
     if dtype == jnp.float32:
