@@ -65,14 +65,19 @@ def test_make_train_default_is_a_titans_model_with_the_transformer_parameter_cou
     assert abs(ratio - 1) < 0.03, ratio
 
 
-def test_cli_runs_lapack_on_one_openblas_thread():
-    code = "import os, nlearn.cli.common; print(os.environ['OPENBLAS_NUM_THREADS'])"
+def test_cli_runs_lapack_on_one_openblas_thread_and_importing_nlearn_sets_nothing():
+    code = ("import os, warnings; from flax import nnx; eager = nnx.using_eager_sharding(); "
+            "filters = list(warnings.filters); "
+            "import nlearn.cli.common, nlearn.layers, nlearn.models, nlearn.data, nlearn.train.trainer; "
+            "assert nnx.using_eager_sharding() == eager and warnings.filters == filters; "
+            "print(os.environ.get('OPENBLAS_NUM_THREADS')); "
+            "nlearn.cli.common.run(lambda argv: print(os.environ['OPENBLAS_NUM_THREADS']))")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "1", out.stderr
+    assert out.stdout.split() == ["None", "1"], out.stderr  # set by the entry point, not by an import
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=dict(env, OPENBLAS_NUM_THREADS="2"))
-    assert out.stdout.strip() == "2", out.stderr  # a user's own setting wins
+    assert out.stdout.split() == ["2", "2"], out.stderr  # a user's own setting wins
 
 
 def test_cli_drops_only_orbax_read_only_warnings():

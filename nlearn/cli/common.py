@@ -6,14 +6,9 @@ import os
 import sys
 import warnings
 
-# LAPACK custom calls (triangular_solve in the DGD memory) run on scipy's OpenBLAS, whose default
-# thread pool competes with XLA's own threads: a [8, 16, 16] solve took 136 ms instead of 0.2 ms on
-# 2 cores. OpenBLAS reads this when it loads (at the first LAPACK call), so set it before any jax work.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from absl import app, flags, logging
 
-from absl import app, flags, logging  # noqa: E402
-
-from nlearn.errors import UserError  # noqa: E402
+from nlearn.errors import UserError
 
 EXIT_USER_ERROR = 2
 
@@ -54,11 +49,19 @@ def parse_flags(argv):
         fail(f"{type(e).__name__}: {str(e).splitlines()[0]}")
 
 
-def quiet_libraries() -> None:
-    """Keep the console to our own progress lines."""
+def configure_process() -> None:
+    """What a console script sets for its whole process, before any jax work; a user's own settings win.
+
+    LAPACK custom calls (triangular_solve in the DGD memory) run on scipy's OpenBLAS, whose default
+    thread pool competes with XLA's own threads: a [8, 16, 16] solve took 136 ms instead of 0.2 ms on
+    2 cores. OpenBLAS reads its thread count when it loads, at the first LAPACK call.
+    """
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def quiet_libraries() -> None:
+    """Keep the console to our own progress lines (absl logging; orbax's read-only notices)."""
     logging.set_verbosity(logging.WARNING)
     import absl.logging as absl_logging
 
@@ -73,14 +76,19 @@ def _drop_orbax_read_only(record) -> bool:
 
 
 def run(main) -> None:
-    """`app.run(main)` with one-line failures for UserError and flag errors."""
+    """`app.run(main)` for a console script: one-line failures for UserError and flag errors, library
+    deprecation notices hidden while `main` runs."""
+    configure_process()
 
     def guarded(argv):
         quiet_libraries()
         if len(argv) > 1:
             fail(f"unexpected positional arguments: {' '.join(argv[1:])}")
         try:
-            main(argv)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                warnings.simplefilter("ignore", FutureWarning)
+                main(argv)
         except UserError as e:
             fail(str(e))
 

@@ -28,7 +28,7 @@ class ShortConv(nnx.Module):
         else:
             bound = 1.0 / kernel ** 0.5
             w = jax.random.uniform(rngs.params(), (kernel, channels), minval=-bound, maxval=bound)
-        self.weight = nnx.Param(w, out_sharding=("conv", "heads"))
+        self.weight = nnx.Param(w, out_sharding=("conv", "heads"), eager_sharding=False)
 
     def init_cache(self, batch: int, channels: int, dtype=jnp.float32):
         return jnp.zeros((batch, self.kernel_size - 1, channels), dtype)

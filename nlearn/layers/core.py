@@ -7,8 +7,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def head_dim(model_cfg) -> int:
+    """Per-head width of a model config: `model.head_dim`, or `d_model // num_heads` when it is 0."""
+    return model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads
+
+
 def param(rngs: nnx.Rngs, shape, axes, std: float = 0.02, init: str = "normal") -> nnx.Param:
-    """A float32 parameter tagged with logical axis names (mapped to the mesh by config rules)."""
+    """A float32 parameter tagged with logical axis names, mapped to the mesh by the config's rules when
+    the trainer places the state (never eagerly at creation, so a layer builds with or without a mesh)."""
     if init == "normal":
         value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     elif init == "ones":
@@ -17,7 +23,7 @@ def param(rngs: nnx.Rngs, shape, axes, std: float = 0.02, init: str = "normal") 
         value = jnp.zeros(shape, jnp.float32)
     else:
         raise ValueError(f"unknown init {init!r}")
-    return nnx.Param(value, out_sharding=tuple(axes))
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 class Dense(nnx.Module):

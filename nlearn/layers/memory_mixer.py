@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nlearn.layers.conv import ShortConv
-from nlearn.layers.core import Dense, RMSNorm, param
+from nlearn.layers.core import Dense, RMSNorm, head_dim, param
 from nlearn.memory.delta import delta_rule, delta_rule_step, gated_delta_rule, gated_delta_rule_step
 from nlearn.memory.linear_attention import LinearAttentionState, linear_attention, linear_attention_step
 from nlearn.memory.neural_memory import init_state as neural_memory_init_state
@@ -40,7 +40,7 @@ class MemoryMixer(nnx.Module):
     def __init__(self, cfg, *, output: bool = True, rngs: nnx.Rngs):
         mem = cfg.memory
         self.num_heads = cfg.num_heads
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+        self.head_dim = head_dim(cfg)
         width = self.num_heads * self.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.q = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
@@ -130,10 +130,10 @@ class DeltaNetMixer(MemoryMixer):
             self.decay = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
             # Mamba-2 style init: A in [1, 16], softplus(dt_bias) in [1e-3, 0.1] (log-uniform).
             a = jax.random.uniform(rngs.params(), (self.num_heads,), minval=1.0, maxval=16.0)
-            self.a_log = nnx.Param(jnp.log(a), out_sharding=("heads",))
+            self.a_log = nnx.Param(jnp.log(a), out_sharding=("heads",), eager_sharding=False)
             dt = jnp.exp(jax.random.uniform(rngs.params(), (self.num_heads,),
                                             minval=math.log(1e-3), maxval=math.log(0.1)))
-            self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), out_sharding=("heads",))
+            self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), out_sharding=("heads",), eager_sharding=False)
 
     def featurize(self, q, k, v):
         return l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)

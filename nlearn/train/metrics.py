@@ -87,10 +87,10 @@ class Wandb:
             return
         import wandb
 
-        os.environ.setdefault("WANDB_SILENT", "true")
         try:
             self.run = wandb.init(project=config.logging.wandb_project, dir=workdir, mode=mode,
-                                  id=run_id, resume="allow", config=config.to_dict())
+                                  id=run_id, resume="allow", config=config.to_dict(),
+                                  settings=wandb.Settings(silent=True))
             self.run_id = self.run.id
         except Exception as e:  # logging must never stop training
             logging.warning("wandb unavailable (%s); continuing without it", e)
@@ -110,15 +110,13 @@ def plot_losses(workdir: str) -> str | None:
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the process's backend stays the user's
 
     records = [json.loads(line) for line in open(path) if line.strip()]
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss")
     if evals:
@@ -129,7 +127,6 @@ def plot_losses(workdir: str) -> str | None:
     ax.grid(alpha=0.3)
     out = os.path.join(workdir, "loss.png")
     fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
     return out
 
 
