@@ -21,7 +21,7 @@ def main(argv):
     if "loss" in result:
         line = (f"final: step {result['step']}, validation loss {result['loss']:.4f}, "
                 f"perplexity {result['perplexity']:.2f} over {result['tokens']} tokens")
-        if config.data.source in ("builtin", "text", "tfds"):
+        if data.get_corpus(config).vocab_size is None:  # a text corpus: the unigram model is a baseline
             line += f" (unigram baseline on the same tokens: {data.unigram_perplexity(config):.2f})"
         print(line, flush=True)
 

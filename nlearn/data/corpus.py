@@ -25,6 +25,10 @@ class Corpus:
       target; batches then carry "weights" for the targets.
     pack: True = concatenate documents (text documents each followed by EOS) and cut the stream
       into windows of seq_len + 1 tokens; False = each record is exactly one such window.
+    stages: training stages before this corpus' own stream, `((steps, config), ...)`: the first
+      `steps` batches come from `config`'s stream (e.g. a curriculum of easier windows).
+    accuracy_key: evaluation also reports the weighted next-token accuracy under this name (e.g.
+      "mqar_accuracy", where only the answers are weighted); "" = not at all.
     """
 
     key: str
@@ -34,6 +38,8 @@ class Corpus:
     vocab_size: Optional[int] = None
     pack: bool = True
     description: str = ""
+    stages: tuple = ()
+    accuracy_key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,8 @@ because a model learns the recall mechanism there in a fraction of the steps (de
 steps at 64x4 against 400-1100 at 256x16) and the long windows then only have to extend it.
 Evaluation always uses the task's own windows.
 
-`StagedIterator` hands out one stage's batches after another and checkpoints like a grain
-iterator (get_state/set_state with bytes), so a resumed run continues in the right stage at the
-right position.
+The MQAR source hands the stages to the pipeline (`Corpus.stages`, see `training_stages`), which
+trains on them through the same staged iterator as any other source's stages (nlearn.data.staged).
 
 A stage may also say where its queries start: "128x4@64:150" is 150 steps of 128-token windows
 whose 4 pairs end at position 64 (filler before them) and whose queries all come from there on.
@@ -23,9 +22,7 @@ memory, so such a stage trains the memory before attention learns to answer from
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from typing import Callable, Iterator
 
 import ml_collections
 
@@ -82,62 +79,8 @@ def stage_config(config: ml_collections.ConfigDict, seq_len: int, num_pairs: int
     return c
 
 
-class StagedIterator:
-    """Batches of stage 0 for its steps, then stage 1, ..., then the task's for ever.
-
-    Sub-iterators are built lazily (a stage that is already over when a run resumes costs
-    nothing). State: the number of batches handed out plus the current stage's grain state."""
-
-    def __init__(self, stages: list[Stage], make_iterator: Callable[[int], Iterator]):
-        self.stages, self._make = stages, make_iterator
-        self.ends = [sum(s.steps for s in stages[:i + 1]) for i in range(len(stages))]
-        self.count, self._index, self._it = 0, -1, None
-
-    def stage_index(self, count: int) -> int:
-        """Which stage batch number `count` (0-based) belongs to; len(stages) = the task."""
-        return next((i for i, end in enumerate(self.ends) if count < end), len(self.stages))
-
-    def _iterator(self):
-        index = self.stage_index(self.count)
-        if index != self._index:
-            self._close()
-            self._index, self._it = index, self._make(index)
-        return self._it
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self._iterator())
-        self.count += 1
-        return batch
-
-    def get_state(self) -> bytes:
-        inner = self._iterator().get_state()
-        if isinstance(inner, bytes):
-            inner = inner.decode()
-        return json.dumps({"count": self.count, "stage": self._index, "inner": inner}).encode()
-
-    def set_state(self, state: bytes) -> None:
-        saved = json.loads(state.decode() if isinstance(state, bytes) else state)
-        self.count = int(saved["count"])
-        it = self._iterator()
-        if int(saved["stage"]) != self._index:
-            raise UserError(f"the data checkpoint is from curriculum stage {saved['stage']} but "
-                            f"step {self.count} belongs to stage {self._index}; was "
-                            f"data.mqar.curriculum changed between runs?")
-        inner = saved["inner"]
-        it.set_state(inner.encode() if isinstance(inner, str) else inner)
-
-    def start_prefetch(self) -> None:
-        start = getattr(self._iterator(), "start_prefetch", None)
-        if start is not None:
-            start()
-
-    def _close(self):
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
-
-    def close(self) -> None:
-        self._close()
+def training_stages(config: ml_collections.ConfigDict) -> tuple:
+    """`((steps, stage config), ...)` of `data.mqar.curriculum`, for `Corpus.stages`."""
+    m, seq_len = config.data.mqar, int(config.train.seq_len)
+    return tuple((s.steps, stage_config(config, s.seq_len, s.num_pairs, s.query_start))
+                 for s in parse_curriculum(m.curriculum, seq_len))

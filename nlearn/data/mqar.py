@@ -33,7 +33,7 @@ from typing import Mapping, Optional
 import ml_collections
 import numpy as np
 
-from nlearn.data import cache
+from nlearn.data import cache, curriculum
 from nlearn.data.corpus import Corpus
 from nlearn.errors import UserError
 
@@ -194,6 +194,8 @@ def mqar_source(config: ml_collections.ConfigDict) -> Corpus:
         validation=MqarExamples(counts["eval_examples"], EVAL_STREAM, seed, **task),
         vocab_size=vocab,
         pack=False,
+        stages=curriculum.training_stages(config),
+        accuracy_key="mqar_accuracy",
         description=(f"mqar: {num_pairs} pairs, seq_len {seq_len}, vocab {vocab}, power_a "
                      f"{power_a}{', random filler' if task.get('random_filler') else ''}"
                      f"{f', queries from position {query_start}' if query_start else ''}; "

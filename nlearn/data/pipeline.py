@@ -22,10 +22,10 @@ import ml_collections
 import numpy as np
 
 from nlearn.data import cache
-from nlearn.data import curriculum
 from nlearn.data import sources
 from nlearn.data import stats as stats_lib
 from nlearn.data.corpus import Corpus
+from nlearn.data.staged import StagedIterator
 from nlearn.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from nlearn.errors import UserError
 
@@ -201,20 +201,24 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     own shuffle of this process's documents (seed from train.seed, the data offset and i; a
     new order every epoch), so a batch mixes B_local documents rather than slicing one long
     document, and a recurrent model may carry its state from one batch to the next (with
-    num_workers <= 1; more workers interleave their batches)."""
-    d = config.data
-    b_local, seq_len = _shape(config, process_count)
-    spec = d.mqar.get("curriculum", "") if d.source == "mqar" and d.get("mqar") else ""
-    if spec:
-        stages = curriculum.parse_curriculum(spec, seq_len)
-        shapes = ([(s.seq_len, s.num_pairs, s.query_start) for s in stages]
-                  + [(seq_len, int(d.mqar.num_pairs), int(d.mqar.get("query_start", 0)))])
-        configs = [curriculum.stage_config(config, *shape) for shape in shapes]  # last: the task
-        return curriculum.StagedIterator(stages, lambda i: make_train_iterator(
-            configs[i], process_index=process_index, process_count=process_count))
+    num_workers <= 1; more workers interleave their batches). A corpus with training stages
+    (`Corpus.stages`) first hands out their batches."""
     if not 0 <= process_index < process_count:
         raise UserError(f"process_index {process_index} not in [0, {process_count})")
     corpus = sources.get_corpus(config)
+    if not corpus.stages:
+        return _stream(config, corpus, process_index, process_count)
+    configs = [stage for _, stage in corpus.stages]
+    return StagedIterator([steps for steps, _ in corpus.stages], lambda i: (
+        _stream(configs[i], sources.get_corpus(configs[i]), process_index, process_count)
+        if i < len(configs) else _stream(config, corpus, process_index, process_count)))
+
+
+def _stream(config: ml_collections.ConfigDict, corpus: Corpus, process_index: int,
+            process_count: int) -> grain.DatasetIterator:
+    """The training iterator of one corpus (no stages): lanes of windows zipped into batches."""
+    d = config.data
+    b_local, seq_len = _shape(config, process_count)
     encode = _encoder(corpus, get_tokenizer(config, corpus))
     if len(corpus.train) < process_count:
         raise UserError(f"{len(corpus.train)} training documents cannot be sharded over "
@@ -226,10 +230,10 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     lanes = [_lane(shard, lane_seed(seed, i), encode, corpus, seq_len) for i in range(b_local)]
     it = grain.experimental.ZipIterDataset(lanes).map(stack_rows).map(to_lm_batch)
     if int(d.num_workers) > 0:
-        if not flags.FLAGS.is_parsed():
-            # grain <= 0.2.18 reads an absl flag in mp_prefetch and fails when flags were never
-            # parsed (library use outside absl.app: tests, notebooks); google/grain#1355.
-            flags.FLAGS.mark_as_parsed()
+        if not flags.FLAGS.is_parsed():  # grain <= 0.2.18 reads absl flags in mp_prefetch (google/grain#1355)
+            raise UserError(f"data.num_workers={d.num_workers} runs grain worker processes, which need absl "
+                            "flags parsed: run under absl.app.run (the nlearn-* commands do) or call "
+                            "absl.flags.FLAGS(sys.argv[:1]) first")
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(d.num_workers)))
         iterator = iter(it)
         atexit.register(_close_at_exit, weakref.ref(iterator))

@@ -6,15 +6,17 @@ import math
 
 import jax
 
+from nlearn import data
 from nlearn.train.step import make_eval_step
 
 
 def make_evaluator(setup, compiler_options: dict | None = None):
     """`(params, batches) -> {"loss", "perplexity", "accuracy", "tokens"}`, jitted once per setup.
 
-    `accuracy` is the weighted next-token argmax accuracy; on MQAR (weights only on answers)
-    it is the recall accuracy and is also reported as `mqar_accuracy`.
+    `accuracy` is the weighted next-token argmax accuracy; a task that names it (`Corpus.accuracy_key`,
+    e.g. MQAR's recall on the answers, `mqar_accuracy`) gets it under that name too.
     """
+    accuracy_key = data.get_corpus(setup.config).accuracy_key
     step = jax.jit(make_eval_step(setup.graphdef, dtype=setup.dtype),
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
                    compiler_options=compiler_options)
@@ -27,8 +29,8 @@ def make_evaluator(setup, compiler_options: dict | None = None):
         loss = total / max(count, 1.0)
         result = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
                   "accuracy": hits / max(count, 1.0), "tokens": int(count)}
-        if setup.config.data.source == "mqar":
-            result["mqar_accuracy"] = result["accuracy"]
+        if accuracy_key:
+            result[accuracy_key] = result["accuracy"]
         return result
 
     return evaluate

@@ -101,10 +101,26 @@ def test_process_shards_are_disjoint(make_config, token_source, builtin):
         make_train_iterator(builtin, process_index=0, process_count=3)
 
 
-def test_multiprocess_prefetch_matches_in_process(make_config, token_source):
+@pytest.fixture
+def unparsed_flags():
+    """absl flags unparsed for the test (as in a notebook), reset afterwards."""
+    from absl import flags
+
+    was_parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.unparse_flags()
+    yield flags.FLAGS
+    flags.FLAGS.unparse_flags()
+    if was_parsed:
+        flags.FLAGS(["pytest"])
+
+
+def test_multiprocess_prefetch_matches_in_process(make_config, token_source, unparsed_flags):
     config = make_config(source=token_source, batch_size=4, seq_len=16)
     expected = take(make_train_iterator(config), 8)
     config.data.num_workers = 1
+    with pytest.raises(UserError, match="data.num_workers=1 runs grain worker processes"):
+        make_train_iterator(config)  # grain's workers read absl flags: the caller parses them
+    unparsed_flags(["pytest"])
     it = make_train_iterator(config)
     try:
         got = take(it, 4)
