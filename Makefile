@@ -39,11 +39,11 @@ test-all: setup
 eval: setup
 	$(BIN)/nlearn-eval --workdir=$(WORKDIR) $(ARGS)
 
-## Benchmarks of the memory ops (prints a markdown table).
+## Benchmarks of the memory ops (prints a markdown table; ARGS=--results also writes results/bench_ops.md).
 bench: setup
 	$(BIN)/python scripts/bench_ops.py $(ARGS)
 
-## Train every family on MQAR and rewrite the README table.
+## Train every family on MQAR and write results/mqar.md.
 mqar: setup
 	$(BIN)/python scripts/mqar.py $(ARGS)
 

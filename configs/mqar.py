@@ -43,7 +43,7 @@ BUDGET = dict(batch_size=16, steps=1300, lr=3e-3, schedule="cosine", min_lr_rati
 # task (T=256, 16 pairs) only.
 CURRICULUM = "64x4:300"
 TIME_LIMIT_S = 600  # wall-time cap per family in `make mqar` (start-up and compilation included, scoring not)
-# Per-family model overrides (documented in the README note by scripts/mqar.py). The Titans
+# Per-family model overrides (listed in results/mqar.md by scripts/mqar.py). The Titans
 # families use a linear memory (depth 1): at these shapes a depth-2 memory (64->256->64) costs
 # ~11x more per token on CPU (0.50 s against 0.045 s per layer and step, fwd+bwd), which leaves
 # too few steps within 10 minutes. Its inner learning rate may reach 0.2 (max_lr; the LM default

@@ -1,4 +1,4 @@
-"""Inner-learner ablation: one family, one override per run, same data and budget; README table.
+"""Inner-learner ablation: one family, one override per run, same data and budget; results/ablations.md.
 
   python scripts/ablate.py --family=titans_lmm --steps=40 -- --config.train.batch_size=8
 
@@ -19,9 +19,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from nlearn.train.metrics import throughput  # noqa: E402
-from nlearn.utils.readme import replace_section  # noqa: E402
+from results_md import write_results  # noqa: E402
 
 # "" is the default inner learner (optimizer=momentum, objective=l2, minibatch=16, depth=2).
 VARIANTS = ("", "optimizer=sgd", "optimizer=dgd", "objective=dot", "minibatch=4", "depth=3",
@@ -73,8 +74,8 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; empty = default")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "ablate"))
-    parser.add_argument("--no-readme", action="store_true")
-    parser.add_argument("--note", default="", help="sentence appended to the README section's header")
+    parser.add_argument("--print-only", action="store_true", help="print the table, write no results file")
+    parser.add_argument("--note", default="", help="sentence appended to the note above the table")
     parser.add_argument("--rows", default="", help="re-render the table from this file of printed JSON rows")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every run")
     args = parser.parse_args()
@@ -89,13 +90,13 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     body = table(rows)
     print(body)
-    if not args.no_readme:
+    if not args.print_only:
         cmd = " ".join(["python scripts/ablate.py", f"--family={args.family}", f"--steps={args.steps}",
                         *(["--", *args.overrides] if args.overrides else [])])
-        head = (f"Made by `{cmd}` on the 2-core CPU (built-in corpus). default = optimizer=momentum, "
-                "objective=l2, minibatch=16, depth=2; every run sees the same batches. "
-                "tok/s excludes compilation.")
-        replace_section("ablation", f"{head} {args.note}".rstrip() + f"\n\n{body}")
+        note = ("Built-in corpus. default = optimizer=momentum, objective=l2, minibatch=16, depth=2; every run "
+                "sees the same batches. tok/s excludes compilation.")
+        print(write_results("ablations.md", f"Inner-learner ablations ({args.family})", cmd, body,
+                            f"{note} {args.note}".rstrip()))
 
 
 if __name__ == "__main__":

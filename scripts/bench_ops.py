@@ -34,6 +34,7 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -42,7 +43,7 @@ import numpy as np  # noqa: E402
 from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
 from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear, ttt_mlp  # noqa: E402
 from nlearn.memory.neural_memory import neural_memory  # noqa: E402
-from nlearn.utils.readme import replace_section  # noqa: E402
+from results_md import write_results  # noqa: E402
 
 
 @dataclass
@@ -292,7 +293,7 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--matmul_size", type=int, default=1024)
     p.add_argument("--out", default="", help="also write the markdown here")
-    p.add_argument("--readme", action="store_true", help="also rewrite the README's bench section")
+    p.add_argument("--results", action="store_true", help="also rewrite results/bench_ops.md")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.reps = "1024", 3
@@ -305,9 +306,10 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    if args.readme:
+    if args.results:
         command = "python scripts/bench_ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        replace_section("bench", f"Made by `{command.strip()}` on this 2-core CPU.\n\n{text}")
+        print(write_results("bench_ops.md", "Memory ops: chunked against token-by-token and softmax attention",
+                            command.strip(), text))
 
 
 if __name__ == "__main__":

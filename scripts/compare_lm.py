@@ -1,7 +1,8 @@
 """Validation perplexity of several families on the built-in corpus at equal tokens.
 
 Every family trains its `tiny` preset with the same data, steps, batch and sequence length, in its
-own process; the table (family, parameters, tokens, perplexity, tokens/s, time) goes to the README.
+own process; the table (family, parameters, tokens, perplexity, tokens/s, time) goes to
+results/lm_comparison.md.
 
   python scripts/compare_lm.py --families=transformer,titans_lmm --steps=75
 """
@@ -17,9 +18,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from nlearn.train.metrics import throughput  # noqa: E402
-from nlearn.utils.readme import replace_section  # noqa: E402
+from results_md import write_results  # noqa: E402
 
 
 
@@ -67,8 +69,8 @@ def main():
     parser.add_argument("--families", default="transformer,titans_lmm")
     parser.add_argument("--steps", type=int, default=75)
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "compare"))
-    parser.add_argument("--no-readme", action="store_true")
-    parser.add_argument("--note", default="", help="sentence appended to the README section's header")
+    parser.add_argument("--print-only", action="store_true", help="print the table, write no results file")
+    parser.add_argument("--note", default="", help="sentence appended to the note above the table")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
     rows = []
@@ -79,13 +81,13 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     body = table(rows)
     print(body)
-    if not args.no_readme:
+    if not args.print_only:
         cmd = " ".join(["python scripts/compare_lm.py", f"--families={args.families}",
                         f"--steps={args.steps}", *(["--", *args.overrides] if args.overrides else [])])
-        head = (f"Made by `{cmd}` on the 2-core CPU: every family trains its `tiny` preset on the same "
-                "batches (same seed, steps, batch and sequence length) and is scored on the same "
-                "held-out tokens. tok/s excludes compilation.")
-        replace_section("lm-comparison", f"{head} {args.note}".rstrip() + f"\n\n{body}")
+        note = ("Every family trains its `tiny` preset on the same batches (same seed, steps, batch and "
+                "sequence length) and is scored on the same held-out tokens. tok/s excludes compilation.")
+        print(write_results("lm_comparison.md", "Language modelling: validation perplexity at equal tokens",
+                            cmd, body, f"{note} {args.note}".rstrip()))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`make mqar`: train every family on the common MQAR task and write the README table.
+"""`make mqar`: train every family on the common MQAR task and write results/mqar.md.
 
 Each family runs `configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar).
 The budget is the preset's step count or `configs/mqar.py`'s TIME_LIMIT_S of wall time, whichever
@@ -22,10 +22,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from nlearn.config import base_config  # noqa: E402
 from nlearn.data.curriculum import parse_curriculum  # noqa: E402
-from nlearn.utils.readme import replace_section  # noqa: E402
+from results_md import write_results  # noqa: E402
 
 DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "linear_attention", "transformer")
 
@@ -104,7 +105,7 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
 
 
 def table(rows: list[dict], steps: int) -> str:
-    """The README table; `steps` is the common budget, for rows that do not carry their own."""
+    """The results table; `steps` is the common budget, for rows that do not carry their own."""
     out = ["| family | MQAR accuracy | parameters | training time | steps |", "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -141,25 +142,10 @@ def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
             "evaluation is on the task only.")
 
 
-def machine() -> str:
-    """'<CPU model>, f32 matmul N GFLOP/s': which machine a table came from (their speeds differ ~4x)."""
-    from nlearn.train.flops import measure_matmul_gflops
-
-    name = "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, f32 matmul {measure_matmul_gflops():.0f} GFLOP/s"
-
-
-def note(presets, families: list[str], time_limit_s: float, load: str, cpu: str = "") -> str:
-    """The sentence above the table: the command, task and budget, from configs/mqar.py."""
+def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
+    """The paragraph above the table: task and budget, from configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
-    text = (f"Made by `make mqar` (`python scripts/mqar.py --families={','.join(families)}`) on this repo's "
-            f"2-core CPU ({cpu + '; ' if cpu else ''}load average {load} at the end). "
-            f"Task: T={task['seq_len']}, {task['num_pairs']} "
+    text = (f"Task: T={task['seq_len']}, {task['num_pairs']} "
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
             f"d_model={model['d_model']}, {model['num_heads']} heads, SwiGLU width {model['mlp_dim']}; "
             f"budget: {budget['steps']} steps of {budget['batch_size']} sequences (lr {budget['lr']:g}"
@@ -169,7 +155,8 @@ def note(presets, families: list[str], time_limit_s: float, load: str, cpu: str 
             f"Accuracy over {task['eval_examples']} held-out examples."
             f"{curriculum_note(presets.CURRICULUM, budget['batch_size'], task['seq_len'])}")
     text += per_family("Per-family overrides", presets.FAMILY_OVERRIDES, families)
-    return text + per_family("Per-family training", presets.FAMILY_TRAINING, families)
+    text += per_family("Per-family training", presets.FAMILY_TRAINING, families)
+    return text + f" Load average {load} at the end."
 
 
 def per_family(label: str, by_family: dict[str, dict], families: list[str]) -> str:
@@ -187,7 +174,7 @@ def main():
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "mqar"))
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of wall time per family (default: configs/mqar.py TIME_LIMIT_S)")
-    parser.add_argument("--no-readme", action="store_true", help="print the table only")
+    parser.add_argument("--print-only", action="store_true", help="print the table, write no results file")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the row of a family whose workdir holds a row.json trained from the "
                              "same preset (no retraining)")
@@ -217,12 +204,13 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     body = table(rows, presets.BUDGET["steps"])
     print(body)
-    if not args.no_readme and not args.overrides:
+    if not args.print_only and not args.overrides:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        text = note(presets, families, limit, load, machine())
+        text = note(presets, families, limit, load)
         if reused:
             text += f" Rows reused from earlier invocations (`--reuse`): {', '.join(reused)}."
-        replace_section("mqar", f"{text}\n\n{body}")
+        command = f"python scripts/mqar.py --families={','.join(families)}"
+        print(write_results("mqar.md", "MQAR: multi-query associative recall", command, body, text))
 
 
 if __name__ == "__main__":

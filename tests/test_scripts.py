@@ -93,3 +93,17 @@ def test_cli_drops_only_orbax_read_only_warnings():
     assert not _drop_orbax_read_only(record(orbax, "Given directory is read only=/tmp/run/checkpoints"))
     assert _drop_orbax_read_only(record(orbax, "checkpoint directory is missing"))
     assert _drop_orbax_read_only(record("/x/nlearn/train/checkpoint.py", "step 3 is read only"))
+
+
+def test_results_files_say_which_command_made_them_where_and_when(tmp_path):
+    results = load_script("results_md")
+    path = results.write_results("x.md", "Title", "python scripts/x.py --a=1", "| a |\n|---|\n| 1 |\n", "A note.",
+                                 directory=str(tmp_path))
+    lines = open(path).read().splitlines()
+    assert lines[0] == "# Title" and lines[4] == "A note." and lines[6:] == ["| a |", "|---|", "| 1 |"]
+    assert re.fullmatch(r"Made by `python scripts/x\.py --a=1` on .+, \d+ cores, f32 matmul \d+ GFLOP/s, "
+                        r"20\d\d-\d\d-\d\d\.", lines[2]), lines[2]
+    for script, name in [("mqar", "mqar.md"), ("compare_lm", "lm_comparison.md"), ("ablate", "ablations.md"),
+                         ("bench_ops", "bench_ops.md")]:  # each script rewrites its own file, never README.md
+        text = open(os.path.join(ROOT, "scripts", f"{script}.py")).read()
+        assert f'write_results("{name}"' in text and "README.md" not in text

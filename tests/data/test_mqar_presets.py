@@ -101,8 +101,7 @@ def test_table_and_note():
     text = script.note(script.mqar_presets(), ["deltanet"], 600, "1.0")
     assert "T=256" in text and "16 pairs" in text and "10 minutes" in text
     assert "Per-family training" not in text
-    assert "2-core CPU (Some CPU, f32 matmul 9 GFLOP/s; load average 1.0 at the end)" in script.note(
-        script.mqar_presets(), ["deltanet"], 600, "1.0", "Some CPU, f32 matmul 9 GFLOP/s")
+    assert text.endswith(" Load average 1.0 at the end.")
     presets = script.mqar_presets()
     text = script.note(presets, ["deltanet", *presets.FAMILY_TRAINING], 600, "1.0")
     for family, own in presets.FAMILY_TRAINING.items():
