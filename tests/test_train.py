@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import transformer as transformer_config
-from run_helpers import ROOT, run_cli, tiny_overrides
+from run_helpers import ROOT, load_family_config, run_cli, tiny_overrides
 from nlearn.train.state import make_setup
 from nlearn.train.step import make_train_step
 
@@ -131,6 +131,51 @@ def test_eval_and_generate_from_checkpoint(reference_run):
     proc = run_cli("generate", f"--workdir={workdir}", "--prompt=It is a truth", "--max_new_tokens=8")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("It is a truth")
+
+
+def test_a_config_saved_before_later_keys_resumes_exactly_and_evaluates(tmp_path, reference_run):
+    """A run directory whose config.json predates keys added since (`nlearn.config.MIGRATIONS`): it
+    resumes from a mid-run checkpoint to the reference run's loss, and nlearn-eval scores it."""
+    from nlearn.eval.restore import load_run_config
+    from nlearn.train import train_and_evaluate
+
+    workdir = tmp_path / "old"
+    shutil.copytree(reference_run[0], workdir)
+    for step in ("9", "12"):
+        shutil.rmtree(workdir / "checkpoints" / step)
+    saved = json.load(open(workdir / "config.json"))
+    for key in ("schedule", "decay_fraction", "final_eval", "cpu_opt_preset", "time_budget_s"):
+        del saved["train"][key]
+    json.dump(saved, open(workdir / "config.json", "w"))
+    config = load_run_config(str(workdir))
+    assert config.train.schedule == "cosine" and config.train.final_eval and config.train.time_budget_s == 0
+    result = train_and_evaluate(config, str(workdir))
+    assert result["step"] == 12 and abs(result["loss"] - reference_run[1]["loss"]) <= 1e-6
+    json.dump(saved, open(workdir / "config.json", "w"))  # the trainer rewrote it with today's keys
+    proc = run_cli("eval", f"--workdir={workdir}")
+    assert proc.returncode == 0, proc.stderr
+    assert abs(json.loads(proc.stdout.strip().splitlines()[-1])["loss"] - result["loss"]) < 1e-5
+
+
+def test_migrate_adds_only_the_keys_a_family_has():
+    from nlearn.config import MIGRATIONS, migrate, validate
+    from nlearn.memory_config import DECAY_INIT
+
+    import ml_collections
+
+    mac = load_family_config("titans_mac").to_dict()
+    for section, key in [("model", "mac_output"), ("model", "mac_memory_input"), ("model", "attn_conv_size"),
+                         ("train", "final_eval")]:
+        del mac[section][key]
+    del mac["model"]["memory"]["decay_init"], mac["model"]["memory"]["conv_init"], mac["data"]["mqar"]
+    old = migrate(ml_collections.ConfigDict(mac))
+    validate(old)
+    assert (old.model.mac_output, old.model.mac_memory_input, old.model.attn_conv_size) == ("gate", "x+y", 0)
+    assert old.model.memory.decay_init == DECAY_INIT and old.model.memory.conv_init == "identity"
+    assert "mqar" not in old.data  # no section, nothing to add to
+    plain = migrate(golden_config())
+    assert "mac_output" not in plain.model and "memory" not in plain.model
+    assert all(key.count(".") >= 1 for key, _, _ in MIGRATIONS)
 
 
 def test_sharded_run_matches_single_device(tmp_path, cache_dir, text_corpus, reference_run):

@@ -18,7 +18,7 @@ from flax import nnx
 from jax import lax
 
 from nlearn.layers.attention import Attention, masked_attention, with_prefix_mask
-from nlearn.layers.core import Dense, RMSNorm
+from nlearn.layers.core import Dense, RMSNorm, head_dim
 from nlearn.layers.memory_mixer import NeuralMemoryMixer, l2_normalize
 from nlearn.memory.neural_memory import ACTIVATIONS, NeuralMemoryState
 
@@ -39,7 +39,7 @@ def mlp_read(theta, q_BTHD, *, activation: str = "gelu", residual: bool = False)
 
 
 def _head_dim(cfg) -> int:
-    return cfg.head_dim or cfg.d_model // cfg.num_heads
+    return head_dim(cfg)
 
 
 def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> Attention:

@@ -137,31 +137,11 @@ def _delta_chunked_parallel(q, k, v, beta, g, s0, chunk: int, precision):
     """
     t = q.shape[1]
     ein = lambda spec, x, y: jnp.einsum(spec, x, y, precision=precision)  # noqa: E731
-    q_c, k_c, v_c = (to_chunks_first(x, chunk) for x in (q, k, v))  # [N,B,H,C,D]
-    beta_c = to_chunks_first(beta, chunk)  # [N,B,H,C]; padding has beta = 0, so it writes nothing
-    incl = jnp.tril(jnp.ones((chunk, chunk), bool))
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    kk = ein("...ik,...jk->...ij", k_c, k_c)
-    qk = ein("...ik,...jk->...ij", q_c, k_c)
-    if g is None:
-        a = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
-        p = jnp.where(incl, qk, 0.0)
-        kb, qg, kd = k_c * beta_c[..., None], q_c, k_c
-        d = jnp.ones(beta_c.shape[:-1], jnp.float32)
-    else:
-        g_cum = jnp.cumsum(to_chunks_first(g, chunk), axis=-1)  # G, [N,B,H,C]; padding g = 0
-        diff = jnp.where(incl, g_cum[..., :, None] - g_cum[..., None, :], 0.0)
-        gamma = jnp.where(incl, jnp.exp(diff), 0.0)  # Γ; tril before exp
-        a = jnp.where(strict, beta_c[..., :, None] * kk * gamma, 0.0)
-        p = qk * gamma
-        e_g = jnp.exp(g_cum)
-        g_last = g_cum[..., -1:]
-        kb = k_c * (beta_c * e_g)[..., None]
-        qg = q_c * e_g[..., None]
-        kd = k_c * jnp.exp(g_last - g_cum)[..., None]
-        d = jnp.exp(g_last[..., 0])
-    tinv = unit_lower_inverse(a, precision)
-    u0 = ein("...ij,...jv->...iv", tinv, v_c * beta_c[..., None])  # U
+    # [N,B,H,C,D] and [N,B,H,C]; padding has beta = 0 (writes nothing) and g = 0
+    chunks = tuple(None if x is None else to_chunks_first(x, chunk) for x in (q, k, v, beta, g))
+    tinv, p, kb, vb, qg, kd, dec = _chunk_prep(chunks, precision)
+    d = jnp.ones(chunks[3].shape[:-1], jnp.float32) if dec is None else dec[..., 0, 0]  # e^{G_C}, [N,B,H]
+    u0 = ein("...ij,...jv->...iv", tinv, vb)  # U
     w = ein("...ij,...jk->...ik", tinv, kb)  # W
     u, s_prev, s_fin = _chunk_scan(u0, w, kd, d, s0)
     o = ein("...ck,...kv->...cv", qg, s_prev) + ein("...ij,...jv->...iv", p, u)

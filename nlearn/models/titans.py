@@ -11,6 +11,7 @@ or "x+y", whether the memory learns from the tokens alone or with the attention 
 from __future__ import annotations
 
 from nlearn.errors import UserError
+from nlearn.layers.core import head_dim as head_dim_of
 from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MACMixer, MAGMixer, MALMixer,
                                   mac_memory_input, mac_output)
 from nlearn.memory_config import validate_neural_memory
@@ -32,7 +33,7 @@ def _int_at_least(model, key: str, low: int):
 def _validate_common(config) -> None:
     validate_neural_memory(config)
     model = config.model
-    head_dim = model.head_dim or model.d_model // model.num_heads
+    head_dim = head_dim_of(model)
     if head_dim % 2:
         _fail("head_dim", head_dim, "RoPE needs an even head dimension")
     _int_at_least(model, "num_persistent", 0)

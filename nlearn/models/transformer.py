@@ -6,11 +6,8 @@ import math
 
 from nlearn.errors import UserError
 from nlearn.layers.attention import Attention
+from nlearn.layers.core import head_dim
 from nlearn.models import register
-
-
-def head_dim(cfg) -> int:
-    return cfg.head_dim or cfg.d_model // cfg.num_heads
 
 
 def make_attention(cfg, layer_index: int, rngs):
