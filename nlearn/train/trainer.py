@@ -133,9 +133,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     wandb = Wandb(config, workdir, run_id) if lead else None
     meta = {"config": config.to_dict(), "wandb_run_id": wandb.run_id if wandb else run_id}
     if lead:
-        print(f"{config.model.family}: {setup.n_params / 1e6:.2f}M parameters, mesh "
-              f"{dict(setup.mesh.shape)}, {tokens_per_step} tokens/step, steps {step}->{total}", flush=True)
-        print(f"sharding: {sharding_summary(state['params'])}", flush=True)
+        print(f"{config.model.family}: {setup.n_params / 1e6:.2f}M parameters, mesh {dict(setup.mesh.shape)}, "
+              f"{tokens_per_step} tokens/step, steps {step}->{total}\nsharding: {sharding_summary(state['params'])}",
+              flush=True)
     train_step = hook.jit_step(setup)
 
     def log(record):
@@ -163,8 +163,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 compiling = False
             if (planned := hook.after_step(step, batch, metrics, began)) is not None:
                 total = progress.total = planned
-            stopping = stop.signal  # read once: a signal arriving later waits for the next step
-            saving = step % config.checkpoint.every_steps == 0 or step == total or stopping
+            stopped = stop.signal  # read once: a signal arriving later waits for the next step
+            saving = step % config.checkpoint.every_steps == 0 or step == total or stopped
             if step % t.log_every == 0 or saving:
                 record = finite_metrics(metrics, step, ckpt)
                 if step % t.log_every == 0 or step == total:
@@ -175,9 +175,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 hook.after_eval(time.perf_counter() - eval_began)
                 progress.reset_clock(step)
             if saving:
-                ckpt.save(step, state, train_iter, {**meta, **hook.meta()}, force=bool(stopping))
-            if stopping:
-                stopped = stopping
+                ckpt.save(step, state, train_iter, {**meta, **hook.meta()}, force=bool(stopped))
+            if stopped:
                 break
     ckpt.wait()
     if stopped or not t.final_eval:
