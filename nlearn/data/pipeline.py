@@ -235,12 +235,51 @@ def _stream(config: ml_collections.ConfigDict, corpus: Corpus, process_index: in
                             "flags parsed: run under absl.app.run (the nlearn-* commands do) or call "
                             "absl.flags.FLAGS(sys.argv[:1]) first")
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(d.num_workers)))
-        iterator = iter(it)
+        iterator = JsonStateIterator(iter(it))
         atexit.register(_close_at_exit, weakref.ref(iterator))
         return iterator
     # In-process: no background thread (grain 0.2's ThreadPrefetch leaks threads and prints
     # errors when an unclosed iterator is collected); tokenizing costs ~2-3 us per token.
-    return iter(it)
+    return JsonStateIterator(iter(it))
+
+
+def _tuple_slices(state):
+    """`state` with every `remainder_slices` pair a tuple again (JSON turns tuples into lists)."""
+    if isinstance(state, dict):
+        return {k: ({n: tuple(v) for n, v in s.items()} if k == "remainder_slices" else _tuple_slices(s))
+                for k, s in state.items()}
+    if isinstance(state, list):
+        return [_tuple_slices(s) for s in state]
+    return state
+
+
+class JsonStateIterator:
+    """A grain iterator whose `set_state` also takes its state back from JSON, as orbax saves it.
+
+    grain 0.2.18's packing tests `remainder_slices` against the tuple (-1, -1); the lists JSON gives
+    back read as a remainder, and a resumed packed stream would skip a window whenever the state was
+    saved with none pending."""
+
+    def __init__(self, iterator):
+        self._it = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state) -> None:
+        self._it.set_state(_tuple_slices(state))
+
+    def start_prefetch(self) -> None:
+        getattr(self._it, "start_prefetch", lambda: None)()
+
+    def close(self) -> None:
+        getattr(self._it, "close", lambda: None)()
 
 
 # ----------------------------------------------------------------------------- evaluation
