@@ -26,13 +26,15 @@ def main(argv):
     from nlearn import data
     from nlearn.eval.perplexity import make_evaluator
     from nlearn.eval.restore import load_run_config, restore_params
+    from nlearn.train.benchmark import compiler_options
     from nlearn.train.checkpoint import Checkpointer
 
     config = _CONFIG.value if _CONFIG.value is not None else load_run_config(_WORKDIR.value)
     config_lib.validate(config)
     Checkpointer(_WORKDIR.value, read_only=True).close()  # clear error before any data work
     setup, step, params = restore_params(config, _WORKDIR.value, _STEP.value)
-    result = {"step": int(step), **make_evaluator(setup)(params, data.make_eval_batches(
+    evaluate = make_evaluator(setup, compiler_options(config.train))  # as the trainer's evaluations
+    result = {"step": int(step), **evaluate(params, data.make_eval_batches(
         config, process_index=jax.process_index(), process_count=jax.process_count()))}
     with open(os.path.join(_WORKDIR.value, f"eval_step{step}.json"), "w") as f:
         json.dump(result, f, indent=2)
