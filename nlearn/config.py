@@ -73,11 +73,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # 0: evaluate only at the end
     c.train.final_eval = True  # evaluate at the end; False leaves scoring to `nlearn-eval --workdir`
     c.train.peak_gflops = 0.0  # for MFU; 0: measure this machine's f32 matmul rate at start
-    # XLA:CPU optimisation preset of the train/eval steps ("default", "fast_compile", "fast_runtime");
-    # ignored off the CPU. "fast_compile" compiles a Titans MAC step ~20% sooner and ran it ~7% faster.
+    # Benchmark options (nlearn.train.benchmark). XLA:CPU optimisation preset of the train/eval steps
+    # ("default", "fast_compile", "fast_runtime"); ignored off the CPU.
     c.train.cpu_opt_preset = "default"
     # Wall-time budget in seconds (0: none). With the "wsd" schedule the run times its steps early on
-    # and lowers its total to what fits, so it ends fully decayed in time (nlearn.train.budget).
+    # and lowers its total to what fits, so it ends fully decayed in time.
     c.train.time_budget_s = 0.0
 
     c.checkpoint = ml_collections.ConfigDict()
