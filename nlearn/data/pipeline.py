@@ -10,6 +10,7 @@ consecutive windows, zero-weighted padding.
 
 import atexit
 import functools
+import json
 import math
 import os
 import weakref
@@ -254,11 +255,11 @@ def _tuple_slices(state):
 
 
 class JsonStateIterator:
-    """A grain iterator whose `set_state` also takes its state back from JSON, as orbax saves it.
+    """A grain iterator whose state is JSON bytes (what grain's orbax handler stores), restored exactly.
 
     grain 0.2.18's packing tests `remainder_slices` against the tuple (-1, -1); the lists JSON gives
     back read as a remainder, and a resumed packed stream would skip a window whenever the state was
-    saved with none pending."""
+    saved with none pending. `set_state` also takes the state as a dict."""
 
     def __init__(self, iterator):
         self._it = iterator
@@ -269,11 +270,11 @@ class JsonStateIterator:
     def __next__(self):
         return next(self._it)
 
-    def get_state(self):
-        return self._it.get_state()
+    def get_state(self) -> bytes:
+        return json.dumps(self._it.get_state()).encode()
 
     def set_state(self, state) -> None:
-        self._it.set_state(_tuple_slices(state))
+        self._it.set_state(_tuple_slices(json.loads(state) if isinstance(state, (bytes, str)) else state))
 
     def start_prefetch(self) -> None:
         getattr(self._it, "start_prefetch", lambda: None)()
