@@ -18,12 +18,13 @@ from nlearn.presets import family_config
 TINY = dict(window=64, num_persistent=4, attn_conv_size=4, mag_output="blend")
 PAPER = dict(window=512, num_persistent=16, attn_conv_size=4, mag_output="gate")
 
+# The paper sizes have one layer more than with the blend, whose gate projection the paper's form lacks.
 PRESETS = {
     "tiny": dict(d_model=256, num_layers=4, num_heads=4, **TINY),
-    "170m": dict(d_model=768, num_layers=12, num_heads=12, tie_embeddings=False, **PAPER),
-    "340m": dict(d_model=1024, num_layers=16, num_heads=16, tie_embeddings=False, **PAPER),
-    "400m": dict(d_model=1024, num_layers=19, num_heads=16, tie_embeddings=False, **PAPER),
-    "760m": dict(d_model=1536, num_layers=17, num_heads=16, tie_embeddings=False, **PAPER),
+    "170m": dict(d_model=768, num_layers=13, num_heads=12, tie_embeddings=False, **PAPER),
+    "340m": dict(d_model=1024, num_layers=17, num_heads=16, tie_embeddings=False, **PAPER),
+    "400m": dict(d_model=1024, num_layers=20, num_heads=16, tie_embeddings=False, **PAPER),
+    "760m": dict(d_model=1536, num_layers=18, num_heads=16, tie_embeddings=False, **PAPER),
 }
 
 
