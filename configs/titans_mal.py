@@ -1,10 +1,11 @@
 """Titans MAL (memory as a layer): the neural memory, then sliding-window attention over
-[persistent ‖ memory output], as two residual sub-layers of one mixer.
+[persistent ‖ memory output] (eq. 31, paper-size presets), or on x + memory output with a residual
+around the memory (tiny). docs/titans.md compares the forms.
 
 Presets: tiny, 170m, 340m, 400m, 760m (Titans paper sizes; 32k vocabulary, untied head).
   nlearn-train --config=configs/titans_mal.py:tiny --workdir=runs/mal
-Ablate with one override: --config.model.window=32, --config.model.num_persistent=0, --config.model.attn_conv_size=0,
---config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
+Ablate with one override: --config.model.mal_attn_input=m, --config.model.window=32, --config.model.num_persistent=0,
+--config.model.attn_conv_size=0, --config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
 """
 
 from nlearn.memory_config import neural_memory_config
@@ -12,8 +13,10 @@ from nlearn.presets import family_config
 
 # Not given in the Titans paper (chosen here): attention window and N_p persistent tokens.
 # attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
-TINY = dict(window=64, num_persistent=4, attn_conv_size=4)
-PAPER = dict(window=512, num_persistent=16, attn_conv_size=4)
+# mal_attn_input: "m" (eq. 31: attention on the memory's output alone) or "x+m" (attention on
+# x + M(x), plus M(x): two residual sub-layers); tiny keeps "x+m", as tuned (MALMixer).
+TINY = dict(window=64, num_persistent=4, attn_conv_size=4, mal_attn_input="x+m")
+PAPER = dict(window=512, num_persistent=16, attn_conv_size=4, mal_attn_input="m")
 
 PRESETS = {
     "tiny": dict(d_model=256, num_layers=4, num_heads=4, **TINY),

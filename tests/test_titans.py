@@ -1,6 +1,7 @@
 """Titans MAC / MAG / MAL: MAC's retrieval sees only earlier segments, causality end to end,
 decoding equals the full forward across segment boundaries (both prefill paths), persistent
-tokens and blocked sliding-window attention, preset sizes, refused config values."""
+tokens and blocked sliding-window attention, the memory read's precision, MAC in bf16 against
+float32, preset sizes and wirings, refused config values. The slow twins: test_titans_twins.py."""
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,21 @@ def test_mlp_read_is_the_memory_read_without_a_write():
                                                       optimizer="sgd", impl="recurrent"))(q, k, v, w)
     theta = tuple(jnp.broadcast_to(x, (2,) + x.shape) for x in w)
     np.testing.assert_allclose(np.asarray(jax.jit(mlp_read)(theta, q)), np.asarray(o), atol=1e-5)
+
+
+def test_mlp_read_matmuls_are_highest_precision():
+    """The float32 read keeps HIGHEST precision even where the default says bfloat16 (GPU / TPU
+    would otherwise round its inputs), and passes an explicit precision through."""
+    theta = (jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 8, 4)))
+    q = jnp.ones((1, 3, 2, 4))
+
+    def dots(**kw):
+        with jax.default_matmul_precision("bfloat16"):
+            text = jax.jit(lambda th, q: mlp_read(th, q, **kw)).lower(theta, q).as_text()
+        return [line.split("precision = ")[1].split("]")[0] for line in text.splitlines() if "dot_general" in line]
+
+    assert dots() == ["[HIGHEST, HIGHEST"] * 2
+    assert dots(precision=jax.lax.Precision.DEFAULT) == ["[DEFAULT, DEFAULT"] * 2
 
 
 @pytest.mark.parametrize("t,window,prefix", [(23, 5, 3), (7, 16, 2)])
@@ -111,10 +127,12 @@ SCHEDULE = [6, 1, 1, 6, 1, 6]
 
 
 @pytest.mark.parametrize("family,minibatch,model", [
-    ("titans_mac", 2, {}), ("titans_mac", 3, {}), ("titans_mag", 4, {}), ("titans_mal", 4, {}),
-    # Eq. 25's gate, and no attention convs (the presets add the read and use convs of 4).
-    ("titans_mac", 2, dict(mac_output="gate", attn_conv_size=0)),
-    # The memory written from the attention sub-layer's output too (the presets: the tokens only).
+    # tiny's wiring (MAC: the read added, the memory written from x); MAG and MAL in the paper's form.
+    ("titans_mac", 2, {}), ("titans_mac", 3, {}), ("titans_mag", 4, dict(mag_output="gate")),
+    ("titans_mal", 4, dict(mal_attn_input="m")),
+    # Eqs. 24-25 (the memory written from y, read with y, gating y), and no attention convs.
+    ("titans_mac", 2, dict(mac_memory_input="y", mac_output="gate", attn_conv_size=0)),
+    # The memory written from the attention sub-layer's output with its residual.
     ("titans_mac", 2, dict(mac_memory_input="x+y")),
 ])
 def test_causal_and_decoding_equals_full_forward_across_segments(family, minibatch, model):
@@ -144,14 +162,25 @@ def test_causal_and_decoding_equals_full_forward_across_segments(family, minibat
     assert max(sizes) <= bound  # the cache does not grow with the stream
 
 
-def test_mac_runs_in_bfloat16():
+def test_mac_in_bfloat16_follows_float32():
+    """The trainer's bf16 cast of MAC (the paper's wiring) stays within bf16 rounding of float32:
+    ~1% relative RMS error here; a bf16 path that dropped the memory carried between segments is
+    off by ~20%."""
     from nlearn.train.step import cast_params
+    from test_titans_twins import perturbed
+    from test_titans_twins import small as twin_config
 
-    model = models.build(small("titans_mac"))
-    graphdef, params = nnx.split(model, nnx.Param)
-    tokens = jnp.asarray(np.random.default_rng(6).integers(0, V, (2, 20)), jnp.int32)
-    low = jitted(nnx.merge(graphdef, cast_params(nnx.to_pure_dict(params), jnp.bfloat16)))(tokens)
-    assert low.shape == (2, 20, V) and bool(jnp.all(jnp.isfinite(low)))  # (the carry keeps its dtype)
+    cfg = twin_config("titans_mac", mac_memory_input="y", mac_output="gate")
+    with cfg.unlocked():
+        cfg.memory.max_lr = 0.05  # (1.0 in the twins: too large a step for bf16 writes)
+    graphdef, params, rest = nnx.split(perturbed(MACMixer(cfg, rngs=nnx.Rngs(0)), seed=1), nnx.Param, ...)
+    call = jax.jit(lambda params, x: nnx.merge(graphdef, params, rest)(x)[0])
+    x = normal(np.random.default_rng(6), (2, 23, cfg.d_model))  # 6 segments of 4, the last partial
+    full = np.asarray(call(params, x))
+    low = call(nnx.State(cast_params(nnx.to_pure_dict(params), jnp.bfloat16)), x.astype(jnp.bfloat16))
+    assert low.dtype == jnp.bfloat16
+    err = np.asarray(low, np.float32) - full
+    assert np.sqrt(np.mean(err ** 2) / np.mean(full ** 2)) < 0.03
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -169,11 +198,26 @@ def test_presets_have_named_sizes(family):
         assert abs(n / 1e6 - millions) / millions < 0.15, (preset, n)
 
 
+PAPER_WIRING = {"titans_mac": dict(mac_memory_input="y", mac_output="gate"), "titans_mag": dict(mag_output="gate"),
+                "titans_mal": dict(mal_attn_input="m")}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_paper_presets_use_the_paper_wiring(family):
+    """170m-760m are wired as the paper's equations (docs/titans.md); tiny keeps the small-scale form."""
+    for preset in ("170m", "340m", "400m", "760m"):
+        model = CONFIGS[family].get_config(preset).model
+        assert {key: model[key] for key in PAPER_WIRING[family]} == PAPER_WIRING[family], preset
+    tiny = CONFIGS[family].get_config("tiny").model
+    assert {key: tiny[key] for key in PAPER_WIRING[family]} != PAPER_WIRING[family]
+
+
 @pytest.mark.parametrize("family,key,value", [
     ("titans_mac", "segment_len", 0), ("titans_mac", "num_persistent", -1), ("titans_mac", "window", 16),
     ("titans_mag", "window", 0), ("titans_mal", "window", 0), ("titans_mal", "num_persistent", -2),
     ("titans_mag", "head_dim", 7), ("titans_mac", "mac_output", "mul"), ("titans_mal", "attn_conv_size", -1),
-    ("titans_mac", "mac_memory_input", "y"),
+    ("titans_mac", "mac_memory_input", "x*y"), ("titans_mag", "mag_output", "add"),
+    ("titans_mal", "mal_attn_input", "x"),
 ])
 def test_invalid_values_are_refused(family, key, value):
     config = small(family, **{key: value})

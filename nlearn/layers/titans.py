@@ -23,14 +23,16 @@ from nlearn.layers.memory_mixer import NeuralMemoryMixer, l2_normalize
 from nlearn.memory.neural_memory import ACTIVATIONS, NeuralMemoryState
 
 
-def mlp_read(theta, q_BTHD, *, activation: str = "gelu", residual: bool = False):
+def mlp_read(theta, q_BTHD, *, activation: str = "gelu", residual: bool = False, precision=lax.Precision.HIGHEST):
     """Pure read `f(q; θ)` of the memory MLP (no write): θ a tuple of `[B, H, d_in, d_out]`,
-    `q [B, T, H, d]` -> `[B, T, H, d_out]`. The same MLP as `nlearn.memory.neural_memory`."""
+    `q [B, T, H, d]` -> `[B, T, H, d_out]`. The same MLP as `nlearn.memory.neural_memory`.
+    `precision` of the matmuls: HIGHEST by default, so a float32 read stays float32 where the
+    backend would otherwise round matmul inputs (TF32 / bf16 passes on GPU and TPU)."""
     act = ACTIVATIONS[activation]
     x = jnp.swapaxes(q_BTHD, 1, 2)  # [B, H, T, d]
     h = x
     for i, w in enumerate(theta):
-        h = jnp.matmul(h, w.astype(h.dtype))
+        h = jnp.matmul(h, w.astype(h.dtype), precision=precision)
         if i < len(theta) - 1:
             h = act(h)
     if residual:
@@ -51,17 +53,29 @@ def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> At
 
 UNROLL_SEGMENTS = 8  # MAC unrolls its loop over segments up to this many segments
 MAC_OUTPUTS = ("add", "gate")  # how MAC combines the attention output and the memory's read
-MAC_MEMORY_INPUTS = ("x+y", "x")  # what MAC's memory learns from: the tokens with or without y
+MAC_MEMORY_INPUTS = ("y", "x+y", "x")  # what MAC's memory writes and reads with: y (eq. 24), x + y or x
+MAG_OUTPUTS = ("blend", "gate")  # MAG: convex blend of the two branches, or y ⊙ σ(M(x)) (eq. 28)
+MAL_ATTN_INPUTS = ("x+m", "m")  # MAL: attention on RMSNorm(x + M(x)) plus M(x), or on M(x) alone (eq. 31)
 
 
 def mac_output(cfg) -> str:
-    """`model.mac_output`; configs saved before the key had the gate."""
+    """`model.mac_output` (older saved configs get the gate from `nlearn.config.migrate`)."""
     return cfg.mac_output
 
 
 def mac_memory_input(cfg) -> str:
-    """`model.mac_memory_input`; configs saved before the key wrote x + y."""
+    """`model.mac_memory_input` (older saved configs get x + y from `nlearn.config.migrate`)."""
     return cfg.mac_memory_input
+
+
+def mag_output(cfg) -> str:
+    """`model.mag_output` (older saved configs get the blend from `nlearn.config.migrate`)."""
+    return cfg.mag_output
+
+
+def mal_attn_input(cfg) -> str:
+    """`model.mal_attn_input` (older saved configs attend to x + M(x), from `nlearn.config.migrate`)."""
+    return cfg.mal_attn_input
 
 
 def _select(flag, a, b):
@@ -74,31 +88,32 @@ def _select(flag, a, b):
 
 
 class MACMixer(nnx.Module):
-    """Memory as a context. The stream is cut into segments of C = `segment_len` tokens; per segment
+    """Memory as a context (Titans eqs. 21-25). The stream is cut into segments of C =
+    `segment_len` tokens; per segment
 
-      1. retrieve `h_j = M*_{s-1}(q_j)`, q_j = L2(SiLU(x_j W_R)): a pure read of the memory MLP with
-         the state left by the previous segments (the current segment's writes are invisible);
-         `r_j = RMSNorm(h_j W_h)` are the retrieved tokens;
-      2. attend over `[persistent ‖ r ‖ x]` of this segment: query i sees all N_p persistent
-         entries and r_j, x_j for j <= i (r_j depends on x_j, so this keeps causality), giving
-         `y = Attn(...) W_o` (N_p + 2C keys per query: O(T·C), never a T×T mask);
-      3. write into the memory: the LMM mixer over the segment from the state after the
-         previous segment, its k, v, q projections of RMSNorm(x + y) (`model.mac_memory_input=
-         "x+y"`: the attention sub-layer's output with its residual, so the memory sees the
-         tokens as well as what attention gathered) or of RMSNorm(x) (`"x"`: the segment's
-         tokens); its per-token read is read-after-write, so it is causal token by token;
-      4. combine y with that read `m = M_s*(·)` (Titans eq. 25, `o = y ⊗ M*(y)`):
-         `model.mac_output="add"`: `o = y + m`, m being the LMM mixer's output (its read,
-         RMS-normalised, through its SiLU gate and output projection); `"gate"`:
-         `o = y ⊙ σ(RMSNorm(m))`, y gated by the read.
+      1. retrieve `h_j = M*_{s-1}(q_j)`, q_j = L2(SiLU(x_j W_R)) (eq. 21): a pure read of the memory
+         MLP with the state left by the previous segments (the current segment's writes are
+         invisible); `r_j = RMSNorm(h_j W_h)` are the retrieved tokens;
+      2. attend over `[persistent ‖ r ‖ x]` of this segment (eqs. 22-23): query i sees all N_p
+         persistent entries and r_j, x_j for j <= i (r_j depends on x_j, so this keeps causality),
+         giving `y = Attn(...) W_o` (N_p + 2C keys per query: O(T·C), never a T×T mask);
+      3. write into the memory (eq. 24): the LMM mixer over the segment from the state after the
+         previous segment, its k, v, q projections of u = RMSNorm(y) (`model.mac_memory_input="y"`,
+         the paper), RMSNorm(x + y) (`"x+y"`: the attention sub-layer's output with its residual)
+         or RMSNorm(x) (`"x"`: the segment's tokens). Writes and reads go token by token: the read
+         at token t is `M*_t(q(u_t))`, the memory after the writes of the segment's tokens up to t
+         (after the whole segment's writes a token would read later tokens: not causal);
+      4. combine y with that read (eq. 25): `model.mac_output="gate"`: `o = y ⊙ σ(RMSNorm(m))`,
+         `"add"`: `o = y + m`, m being the LMM mixer's output (its read, RMS-normalised per head,
+         through its SiLU output gate and output projection, Titans §4.4). The RMSNorm (learned
+         scale) inside σ sets the gate's input to unit scale: m itself starts at the output
+         projection's small init, where σ(m) ≈ 1/2 everywhere and the read could not gate.
+         With "y" and "gate" this is eq. 25, `o = y ⊗ M*_t(y)`.
 
-    The queries, keys and values of the segment's tokens go through short causal convs
-    (`model.attn_conv_size`, Titans §4.4; not the retrieved tokens, which are no stream).
-    Why "add", x + y and the convs (MQAR, configs/mqar.py, 1300 steps): the eq. 25 gate with the
-    memory written from y alone and no convs levelled off near 20%; the gate with x + y and the
-    convs at 48% (the answers inside the first segment, found by attention; the read does not get
-    through the gate); all three together reach 99.3% at step 1300 (a 256-example check), as
-    titans_lmm does.
+    The persistent tokens are attention entries only, never written into the memory (as in the
+    paper's MAC, eq. 22). The queries, keys and values of the segment's tokens go through short
+    causal convs (`model.attn_conv_size`, Titans §4.4; not the retrieved tokens, which are no
+    stream). Why the small presets use "add" with "x" instead: docs/titans.md.
 
     `lax.scan` over segments carries the memory state and the LMM's conv state. Decoding keeps the
     retrieval weights of the current segment, the LMM's stream state and the current segment's
@@ -120,7 +135,7 @@ class MACMixer(nnx.Module):
         self.lmm_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
         self.combine = mac_output(cfg)
-        self.memory_sees_y = mac_memory_input(cfg) == "x+y"
+        self.memory_input = mac_memory_input(cfg)
         self.gate_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs) if self.combine == "gate" else None
 
     # --- pieces shared by training and decoding -----------------------------------------------
@@ -146,10 +161,11 @@ class MACMixer(nnx.Module):
         return jnp.concatenate(ks, 1), jnp.concatenate(vs, 1)
 
     def _output(self, x_BTD, y_BTHK, lmm_cache):
-        """Steps 3-4: write the tokens (with the attention sub-layer's output when
-        `memory_sees_y`) into the memory, combine y with the memory's read."""
+        """Steps 3-4: write `model.mac_memory_input` (y, x + y or x) into the memory token by
+        token, read it with the same input as query, combine y with the read."""
         y = self.attn.project_out(y_BTHK)
-        m, lmm_cache = self.lmm(self.lmm_norm(x_BTD + y if self.memory_sees_y else x_BTD), lmm_cache)
+        u = {"y": y, "x+y": x_BTD + y, "x": x_BTD}[self.memory_input]
+        m, lmm_cache = self.lmm(self.lmm_norm(u), lmm_cache)
         if self.combine == "add":
             return y + m, lmm_cache
         return y * jax.nn.sigmoid(self.gate_norm(m)), lmm_cache
@@ -300,9 +316,14 @@ class MACMixer(nnx.Module):
 
 
 class MAGMixer(nnx.Module):
-    """Memory as a gate: sliding-window attention over `[persistent ‖ x]` (window `model.window`)
-    and the LMM over x run in parallel; per head both are RMS-normalised and mixed by a learned
-    sigmoid gate from x, `o = (g ⊙ RMSNorm(attn) + (1 - g) ⊙ RMSNorm(LMM)) W_o`, g = σ(x W_g).
+    """Memory as a gate (Titans eqs. 26-28): sliding-window attention over `[persistent ‖ x]`
+    (window `model.window`) and the LMM over x run in parallel, each RMS-normalised per head with a
+    learned scale (the LMM's read by its output norm), then combined and projected by W_o:
+
+      `model.mag_output="gate"` (eq. 28, `o = y ⊗ M(x)`): `o = (RMSNorm(attn) ⊙ σ(RMSNorm(LMM))) W_o`,
+        the attention output gated by the memory's normalised read;
+      `"blend"`: `o = (g ⊙ RMSNorm(attn) + (1 - g) ⊙ RMSNorm(LMM)) W_o`, g = σ(x W_g), a learned
+        convex blend of the two branches.
 
     The paper also feeds the persistent tokens through the memory (x̃ = [p ‖ x]); here they are
     attention entries only: the memory's learned initial weights already play the part of a
@@ -311,10 +332,12 @@ class MAGMixer(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.num_heads, self.head_dim = cfg.num_heads, _head_dim(cfg)
         width = self.num_heads * self.head_dim
+        self.combine = mag_output(cfg)
         self.attn = _attention(cfg, window=cfg.window, out_proj=False, rngs=rngs)
         self.lmm = NeuralMemoryMixer(cfg, output=False, rngs=rngs)
         self.attn_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
-        self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
+        self.gate = (Dense(cfg.d_model, width, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
+                     if self.combine == "blend" else None)
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"),
                        std=cfg.init_std / math.sqrt(2 * cfg.num_layers), rngs=rngs)
 
@@ -325,18 +348,28 @@ class MAGMixer(nnx.Module):
         b, t, _ = x_BTD.shape
         a, attn_cache = self.attn.heads(x_BTD, None if cache is None else cache["attn"])
         m, lmm_cache = self.lmm.heads(x_BTD, None if cache is None else cache["lmm"])
-        g = jax.nn.sigmoid(self.gate(x_BTD)).reshape(b, t, self.num_heads, self.head_dim)
-        mixed = g * self.attn_norm(a) + (1.0 - g) * m.astype(a.dtype)
+        a, m = self.attn_norm(a), m.astype(a.dtype)
+        if self.combine == "gate":
+            mixed = a * jax.nn.sigmoid(m)
+        else:
+            g = jax.nn.sigmoid(self.gate(x_BTD)).reshape(b, t, self.num_heads, self.head_dim)
+            mixed = g * a + (1.0 - g) * m
         y = self.o(mixed.reshape(b, t, -1))
         return y, (None if cache is None else {"attn": attn_cache, "lmm": lmm_cache})
 
 
 class MALMixer(nnx.Module):
-    """Memory as a layer: the LMM, then sliding-window attention over `[persistent ‖ ·]`, as two
-    pre-norm residual sub-layers inside one mixer: `u = LMM(x)`, `o = u + Attn(RMSNorm(x + u))`
-    (x is the block's normalised input; the block adds o to the residual stream, then its MLP)."""
+    """Memory as a layer (Titans eqs. 29-31): the LMM, then sliding-window attention over
+    `[persistent ‖ ·]`, with u = LMM(x) (x is the block's normalised input; the block adds o to the
+    residual stream, then its MLP):
+
+      `model.mal_attn_input="m"` (eq. 31, `o = SW-Attn(M(x))`): `o = Attn(RMSNorm(u))`, attention
+        on the memory's output alone;
+      `"x+m"`: `o = u + Attn(RMSNorm(x + u))`, the LMM and attention as two pre-norm residual
+        sub-layers (an extra residual around the memory: attention also sees x)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.attn_input = mal_attn_input(cfg)
         self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.attn = _attention(cfg, window=cfg.window, rngs=rngs)
@@ -346,5 +379,6 @@ class MALMixer(nnx.Module):
 
     def __call__(self, x_BTD, cache=None):
         u, lmm_cache = self.lmm(x_BTD, None if cache is None else cache["lmm"])
-        a, attn_cache = self.attn(self.attn_norm(x_BTD + u), None if cache is None else cache["attn"])
-        return u + a, (None if cache is None else {"lmm": lmm_cache, "attn": attn_cache})
+        paper = self.attn_input == "m"
+        a, attn_cache = self.attn(self.attn_norm(u if paper else x_BTD + u), None if cache is None else cache["attn"])
+        return (a if paper else u + a), (None if cache is None else {"lmm": lmm_cache, "attn": attn_cache})

@@ -3,17 +3,18 @@
 The shared backbone (`nlearn.models.lm`) with a Titans mixer in every block; the mixers live in
 `nlearn.layers.titans`. Config keys beyond the memory section: `model.num_persistent` (all three),
 `model.segment_len` (MAC), `model.window` (MAG, MAL: the sliding window, > 0), `model.attn_conv_size`
-(all three: short convs on the attention's q, k, v; 0 disables), `model.mac_output` (MAC: "add" or
-"gate", how the attention output and the memory's read combine), `model.mac_memory_input` (MAC: "x"
-or "x+y", whether the memory learns from the tokens alone or with the attention output).
+(all three: short convs on the attention's q, k, v; 0 disables), `model.mac_output` (MAC: "gate" or
+"add", how the attention output and the memory's read combine), `model.mac_memory_input` (MAC: "y",
+"x+y" or "x", what the memory writes and is read with), `model.mag_output` (MAG: "gate" or "blend"),
+`model.mal_attn_input` (MAL: "m" or "x+m"). The paper's forms: docs/titans.md.
 """
 
 from __future__ import annotations
 
 from nlearn.errors import UserError
 from nlearn.layers.core import head_dim as head_dim_of
-from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MACMixer, MAGMixer, MALMixer,
-                                  mac_memory_input, mac_output)
+from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MAG_OUTPUTS, MAL_ATTN_INPUTS, MACMixer,
+                                  MAGMixer, MALMixer, mac_memory_input, mac_output, mag_output, mal_attn_input)
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
@@ -37,17 +38,20 @@ def _validate_common(config) -> None:
     if head_dim % 2:
         _fail("head_dim", head_dim, "RoPE needs an even head dimension")
     _int_at_least(model, "num_persistent", 0)
-    if "attn_conv_size" in model:  # configs saved before the key have no convs
+    if "attn_conv_size" in model:  # titans_lmm has no attention
         _int_at_least(model, "attn_conv_size", 0)
+
+
+def _choice(key: str, value, valid) -> None:
+    if value not in valid:
+        _fail(key, value, f"valid choices: {', '.join(valid)}")
 
 
 def validate_mac(config) -> None:
     _validate_common(config)
     _int_at_least(config.model, "segment_len", 1)
-    if mac_output(config.model) not in MAC_OUTPUTS:
-        _fail("mac_output", config.model.mac_output, f"valid choices: {', '.join(MAC_OUTPUTS)}")
-    if mac_memory_input(config.model) not in MAC_MEMORY_INPUTS:
-        _fail("mac_memory_input", config.model.mac_memory_input, f"valid choices: {', '.join(MAC_MEMORY_INPUTS)}")
+    _choice("mac_output", mac_output(config.model), MAC_OUTPUTS)
+    _choice("mac_memory_input", mac_memory_input(config.model), MAC_MEMORY_INPUTS)
     if config.model.window:
         _fail("window", config.model.window, "titans_mac attends within segments; set model.segment_len "
               "instead (model.window must be 0)")
@@ -58,10 +62,20 @@ def validate_windowed(config) -> None:
     _int_at_least(config.model, "window", 1)
 
 
+def validate_mag(config) -> None:
+    validate_windowed(config)
+    _choice("mag_output", mag_output(config.model), MAG_OUTPUTS)
+
+
+def validate_mal(config) -> None:
+    validate_windowed(config)
+    _choice("mal_attn_input", mal_attn_input(config.model), MAL_ATTN_INPUTS)
+
+
 def _mixer(cls):
     return lambda cfg, layer_index, rngs: cls(cfg, rngs=rngs)
 
 
 register("titans_mac", _mixer(MACMixer), validate_mac)
-register("titans_mag", _mixer(MAGMixer), validate_windowed)
-register("titans_mal", _mixer(MALMixer), validate_windowed)
+register("titans_mag", _mixer(MAGMixer), validate_mag)
+register("titans_mal", _mixer(MALMixer), validate_mal)
