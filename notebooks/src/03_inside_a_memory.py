@@ -45,7 +45,7 @@ config.model.update(d_model=32, num_layers=1, segment_len=16)
 config.model.memory.minibatch = 8
 config.data.mqar.update(num_pairs=4, curriculum="", eval_examples=32)
 config.train.update(seq_len=64, batch_size=16, steps=30, warmup_steps=5, schedule="cosine", time_budget_s=0.0,
-                    log_every=10, peak_gflops=100.0)
+                    log_every=10, peak_gflops=100.0, final_eval=False)
 config.checkpoint.update(every_steps=30, async_save=False)
 config.logging.update(wandb_mode="disabled", progress=False)
 workdir = tempfile.mkdtemp(prefix="nlearn_nb03_")
