@@ -71,14 +71,20 @@ assert second["step"] == 20 and min(s for s in steps_logged if s > 10) > 10
 # %% [markdown]
 # ## Evaluate
 #
-# `nlearn-eval --workdir=...` restores the newest checkpoint and scores the held-out tokens; here the
-# final evaluation of the run, which is the same function, is already in `eval.json`.
+# `nlearn-eval --workdir=... --step=N` restores a checkpoint with the run's saved config and scores the
+# held-out tokens; these are the functions it calls. The step-10 checkpoint scores exactly what the
+# first call reported when it ended there.
 
 # %%
-with open(os.path.join(run_dir, "eval.json")) as f:
-    scored = json.load(f)
-print(scored)
-assert scored["step"] == 20 and scored["perplexity"] > 1
+from nlearn import data  # noqa: E402
+from nlearn.eval.perplexity import make_evaluator  # noqa: E402
+from nlearn.eval.restore import load_run_config, restore_params  # noqa: E402
+
+saved = load_run_config(run_dir)
+setup, step, params = restore_params(saved, run_dir, step=10)
+scores = make_evaluator(setup)(params, data.make_eval_batches(saved))
+print(f"step {int(step)}: {scores}")
+assert abs(scores["loss"] - first["loss"]) < 1e-4
 
 # %% [markdown]
 # ## Ablate the inner optimizer

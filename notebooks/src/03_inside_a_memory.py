@@ -137,8 +137,8 @@ for layer in range(n_layers):
 # ## The inner loss before and after each write
 #
 # `l_t = ½‖f(k_t) − v_t‖²` at the state before token t's write and after it. A write lowers the loss
-# of its own pair (the gap is what the token taught the memory); inside a mini-batch the gradients are
-# taken at the mini-batch's start, so the "before" loss is the one the write corrected.
+# of its own pair (the gap is what the token taught the memory). Inside a mini-batch the write's
+# gradient is taken at the mini-batch's start state, not at the state just before the token.
 
 # %%
 fig, axes = plt.subplots(1, n_layers, figsize=(6 * n_layers, 2.8), squeeze=False)
