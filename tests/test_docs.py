@@ -32,8 +32,24 @@ def test_every_registry_has_an_example():
     assert list(SECTIONS) == ["An inner optimizer", "An objective", "A data source", "A family"]
 
 
+@pytest.fixture
+def registries():
+    """Put every registry back as it was, so the examples' entries do not leak into later tests."""
+    from nlearn import models
+    from nlearn.data import SOURCES
+    from nlearn.memory.inner_optimizers import INNER_OPTIMIZERS
+    from nlearn.memory.objectives import OBJECTIVES
+
+    saved = [(registry, dict(registry)) for registry in (models.FAMILIES, SOURCES, INNER_OPTIMIZERS, OBJECTIVES)]
+    yield saved
+    for registry, entries in saved:
+        registry.clear()
+        registry.update(entries)
+
+
 @pytest.mark.parametrize("title", list(SECTIONS))
-def test_example_runs(title, cache_dir, monkeypatch):
+def test_example_runs(title, cache_dir, monkeypatch, registries):
     monkeypatch.chdir(ROOT)
     namespace = {"__name__": f"docs_example_{title.replace(' ', '_')}"}
     exec(compile(SECTIONS[title], f"docs/extending.md: {title}", "exec"), namespace)
+    assert any(set(registry) - set(entries) for registry, entries in registries), "the example registered nothing"

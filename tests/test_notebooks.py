@@ -39,6 +39,6 @@ def test_notebook_runs(name, cache_dir, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("NLEARN_CACHE", cache_dir)
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
+    NotebookClient(nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
