@@ -140,7 +140,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     total = int(planned or t.steps)  # the run's last step (time_budget_s may lower it, once)
     planner = BudgetPlanner(t) if budgeted and planned is None else None
     progress = Progress(total, step, tokens_per_step,
-                        flops_lib.flops_per_token(config.model, setup.n_params, t.seq_len),
+                        flops_lib.flops_per_token(config.model, setup.abstract_state["params"], t.seq_len),
                         flops_lib.run_peak_flops(peak), enabled=lead and config.logging.progress)
     writer = MetricsWriter(workdir, step) if lead else None
     wandb = Wandb(config, workdir, run_id) if lead else None
