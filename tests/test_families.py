@@ -40,7 +40,7 @@ def test_family_is_finite_and_causal(family):
     np.testing.assert_allclose(changed[:, :j], np.asarray(logits[:, :j]), atol=1e-6)
     moved = np.max(np.abs(changed[:, j:] - np.asarray(logits[:, j:])), axis=-1)  # [B, T - j]
     assert np.all(moved > 1e-5), f"{family}: outputs at positions >= {j} that token {j} does not reach: " \
-        f"{sorted(set(np.nonzero(moved <= 1e-5)[1] + j))}"
+        f"{sorted(set((np.nonzero(moved <= 1e-5)[1] + j).tolist()))}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
