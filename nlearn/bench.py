@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmark scripts: robust timings, the machine's matmul rate, tables.
+"""Timing helpers shared by the benchmark scripts: robust timings and tables (the machine's matmul
+rate is `nlearn.train.flops.measure_matmul_gflops`).
 
 Numbers from a shared machine are noisy, so `time_fn` reports the median of several runs after a
 warm-up (compile) call, and also the minimum and the process CPU time (which other processes
@@ -13,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 
 @dataclass
@@ -56,14 +56,6 @@ def time_fn(fn: Callable, *args, n: int = 5, warmup: int = 1, max_seconds: float
         if max_seconds is not None and spent >= max_seconds:
             break
     return Timing(statistics.median(walls), min(walls), statistics.median(cpus), compile_s, walls)
-
-
-def matmul_gflops(size: int = 1024, n: int = 7, dtype=jnp.float32) -> float:
-    """This machine's rate for one jitted `size x size` matmul, GFLOP/s (median of `n`)."""
-    a = jnp.ones((size, size), dtype) / size
-    f = jax.jit(lambda x: x @ x)
-    t = time_fn(f, a, n=n)
-    return 2.0 * size**3 / t.median / 1e9
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

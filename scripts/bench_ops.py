@@ -40,7 +40,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
+from nlearn.bench import fmt, markdown_table, time_fn  # noqa: E402
+from nlearn.train.flops import measure_matmul_gflops  # noqa: E402
 from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear, ttt_mlp  # noqa: E402
 from nlearn.memory.neural_memory import neural_memory  # noqa: E402
 from results_md import write_results  # noqa: E402
@@ -189,7 +190,7 @@ def run(args) -> str:
         raise SystemExit(f"unknown --ops {sorted(unknown)}; choose from {[c.name for c in CASES]}")
     b, h, d = args.batch, args.heads, args.dim
     rng = np.random.default_rng(0)
-    gflops_mm = matmul_gflops(args.matmul_size)
+    gflops_mm = measure_matmul_gflops(args.matmul_size)
     print(f"# devices: {jax.devices()}  matmul {args.matmul_size}^2 f32: {gflops_mm:.1f} GFLOP/s", flush=True)
     rows, notes = [], []
     softmax = {}

@@ -29,13 +29,18 @@ def tiny(family, **model):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_is_finite_and_causal(family):
+    """Changing token j leaves every output before j as it was and changes every output from j on
+    (the later ones only through the mixer: a model that ignores the context fails too)."""
     model = jitted(models.build(tiny(family)))
     tokens = jax.random.randint(jax.random.key(0), (2, 21), 0, 61)
     logits = model(tokens)
     assert logits.shape == (2, 21, 61) and bool(jnp.all(jnp.isfinite(logits)))
-    p = 13
-    changed = tokens.at[:, p:].set((tokens[:, p:] + 5) % 61)
-    np.testing.assert_allclose(np.asarray(model(changed)[:, :p]), np.asarray(logits[:, :p]), atol=1e-6)
+    j = 5  # later positions span chunk boundaries (chunk_size 8)
+    changed = np.asarray(model(tokens.at[:, j].set((tokens[:, j] + 5) % 61)))
+    np.testing.assert_allclose(changed[:, :j], np.asarray(logits[:, :j]), atol=1e-6)
+    moved = np.max(np.abs(changed[:, j:] - np.asarray(logits[:, j:])), axis=-1)  # [B, T - j]
+    assert np.all(moved > 1e-5), f"{family}: outputs at positions >= {j} that token {j} does not reach: " \
+        f"{sorted(set((np.nonzero(moved <= 1e-5)[1] + j).tolist()))}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,4 +1,19 @@
-"""FLOP accounting for MFU: model FLOPs per token and this machine's peak matmul rate."""
+"""FLOP accounting for MFU: a model's training FLOPs per token as its train step runs them, and this
+machine's peak matmul rate.
+
+Counted: every matmul (2·m·n·k FLOPs) at the shapes the training step uses: the dense projections
+(6 per weight and token: forward + backward), and per family the token mixer's own work, from the
+config: attention over the keys each query is actually scored against (the full square of causal
+attention, the two blocks of sliding-window attention, a MAC segment's persistent, retrieved and
+segment keys), and the memory ops in the chunked forms training runs (whole chunks and mini-batches
+including their padding and masked halves; the delta rule's form by backend; the neural memory's
+dual form for any depth, optimizer and mini-batch, or its per-token form for mini-batch 1). A
+mixer's backward counts twice its forward (each matmul's two gradients), except the block inverse
+of the delta rule and DGD, whose custom backward is two C×C×C matmuls. Not counted: elementwise
+work (norms, activations, gates, softmax, the short convs), except the per-weight optimizer step of
+the per-token neural memory, and the forward that rematerialisation recomputes (MFU counts the
+model's FLOPs, not the hardware's).
+"""
 
 from __future__ import annotations
 
@@ -8,24 +23,173 @@ import time
 import jax
 import jax.numpy as jnp
 
+from nlearn.memory.inner_optimizers import get_inner_optimizer
+from nlearn.memory.neural_memory import SCAN_GROUP
+from nlearn.models.transformer import head_dim
 
-def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 N (matmuls, fwd + bwd) + causal attention scores.
+TTT_REMAT_GROUP = 4  # the TTT ops' default `remat_group` (their padding unit is minibatch · group)
 
-    Embedding lookups are not FLOPs, but a tied head is a matmul, so N counts the table once.
-    Attention adds 6 * layers * seq_len * width (QK^T and AV, causal half, fwd + bwd).
-    """
-    attention = 0.0
-    if model_cfg.family == "transformer":
-        width = model_cfg.num_heads * (model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads)
-        context = min(seq_len, model_cfg.window) if model_cfg.window else seq_len
-        attention = 6.0 * model_cfg.num_layers * context * width
-    return 6.0 * n_params + attention
+
+def _pad(t: int, unit: int) -> int:
+    return -(-t // unit) * unit
+
+
+def dense_params(params, tie_embeddings: bool) -> int:
+    """Weights applied once per token as a matmul: every Dense `kernel`, and the embedding table when
+    it is the (tied) output head. An untied table is a lookup, memory weights are the ops' business."""
+    n = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "kernel" or (tie_embeddings and name == "table"):
+            n += int(leaf.size) if hasattr(leaf, "size") else int(jnp.size(leaf))
+    return n
+
+
+# --- forward FLOPs of one head over a sequence of t tokens ----------------------------------------
+
+
+def _attention(queries: int, keys: int, d: int) -> float:
+    """Scores and their weighted sum: queries × keys × d, twice."""
+    return 4.0 * queries * keys * d
+
+
+def causal_attention(t: int, d: int, window: int = 0, num_persistent: int = 0) -> float:
+    """Full causal attention scores the whole t × t square (plus the persistent keys); a window w
+    scores blocks of w queries against their own and the previous block (`layers.attention`)."""
+    if not window:
+        return _attention(t, num_persistent + t, d)
+    w = min(window, t)
+    return _attention(_pad(t, w), num_persistent + 2 * w, d)
+
+
+def linear_attention(t: int, d: int, chunk: int) -> float:
+    """Per chunk of C: Q Kᵀ, (·) V, Q S and Kᵀ V."""
+    return _pad(t, chunk) * (4.0 * chunk * d + 4.0 * d * d)
+
+
+def _unit_lower_inverse(c: int) -> tuple[float, float]:
+    """(forward, backward) of `delta.unit_lower_inverse` on one C × C block: block doubling on the
+    next power of two P, (2/3)·P·(P² − 1); its custom backward, two C×C×C matmuls."""
+    p = 1 << max(0, (c - 1).bit_length())
+    return 2.0 / 3.0 * p * (p * p - 1), 4.0 * c**3
+
+
+def delta_rule(t: int, d: int, chunk: int, backend: str) -> float:
+    """Training FLOPs (forward + backward) of the chunked (gated) delta rule: per chunk K Kᵀ, Q Kᵀ,
+    the WY inverse, U and W (or `T(βV − βK S)`), the state's read and write, `P u`."""
+    n = _pad(t, chunk) // chunk
+    parallel = backend != "cpu"  # the form `impl="chunked"` takes there (`linear_attention.resolve_chunked`)
+    per_chunk = 6.0 * chunk * d * d + (10.0 if parallel else 8.0) * chunk * chunk * d
+    inv_fwd, inv_bwd = _unit_lower_inverse(chunk)
+    return n * (3.0 * per_chunk + inv_fwd + inv_bwd)
+
+
+def ttt_linear(t: int, d: int, minibatch: int) -> float:
+    """Dual form per mini-batch of b: [K; Q] W, Q Kᵀ, (·) G and Kᵀ G: 6 d² + 4 b d per token."""
+    return _pad(t, minibatch * TTT_REMAT_GROUP) * (6.0 * d * d + 4.0 * minibatch * d)
+
+
+def ttt_mlp(t: int, d: int, f: int, minibatch: int) -> float:
+    """Dual form per mini-batch: [K; Q] W1, X2 W2 (keys and reads), G2 W2ᵀ, both weight updates
+    (14 d f per token) and the two b × b read matrices with their products (4 b (d + f))."""
+    return _pad(t, minibatch * TTT_REMAT_GROUP) * (14.0 * d * f + 4.0 * minibatch * (d + f))
+
+
+def neural_memory(t: int, d: int, mem) -> float:
+    """Training FLOPs of `memory.neural_memory` over t tokens, from the `model.memory` section."""
+    opt = get_inner_optimizer(mem.optimizer)
+    dims = [d] + [mem.expansion * d] * (mem.depth - 1) + [d]
+    layers = list(zip(dims[:-1], dims[1:]))
+    use_mu = bool(mem.momentum) and opt.momentum
+    b = mem.minibatch
+    if b == 1:  # per token: keys forward, errors back, rank-1 gradients, the optimizer step, the read
+        per_token = 0.0
+        for i, (di, do) in enumerate(layers):
+            w = di * do
+            per_token += 2 * w + (2 * w if i else 0) + w + (5 * w if opt.momentum else 3 * w) + 2 * w
+            per_token += 5 * w if opt.precondition else 0
+        return 3.0 * t * per_token
+    n = -(-t // b)
+    if n >= 16 * SCAN_GROUP:  # mini-batches go SCAN_GROUP at a time through the scan
+        n = _pad(n, SCAN_GROUP)
+    fwd, inverse = 0.0, 0.0
+    for i, (di, do) in enumerate(layers):
+        mm = 2.0 * b * di * do
+        fwd += mm + mm  # keys and queries through W at the mini-batch start
+        fwd += mm if i else 0.0  # the error back-propagated through W
+        fwd += mm if use_mu else 0.0  # queries through the momentum U
+        fwd += 2.0 * b * b * (di + do)  # the dual-form read: (y xᵀ) and its product with δ
+        fwd += mm * (2 if opt.momentum else 1)  # the state after the mini-batch
+        if opt.precondition:  # DGD: Gram matrix, right-hand side, solve, and its read
+            fwd += 2.0 * b * b * (di + 3 * do) + (mm if use_mu else 0.0)
+            inverse += sum(_unit_lower_inverse(b))
+    fwd += 2.0 * b**3 * ((1 if mem.decay else 0) + (2 if opt.momentum else 0))  # gate coefficient matrices
+    return n * (3.0 * fwd + inverse)
+
+
+# --- per family: training FLOPs of one layer's mixer over a sequence of t tokens --------------------
+
+
+def _mac(cfg, t: int, backend: str) -> float:
+    h, d = cfg.num_heads, head_dim(cfg)
+    c, mem = cfg.segment_len, cfg.memory
+    tp = _pad(t, c)  # the forward pads to whole segments
+    dims = [d] + [mem.expansion * d] * (mem.depth - 1) + [d]
+    read = 2.0 * sum(a * b for a, b in zip(dims[:-1], dims[1:]))  # M*(q) per token
+    fwd = h * (tp // c * _attention(c, cfg.num_persistent + 2 * c, d) + tp * read)
+    fwd += tp * 2 * 2.0 * cfg.d_model * h * d  # keys and values of the retrieved tokens
+    return 3.0 * fwd + h * (tp // c) * neural_memory(c, d, mem)
+
+
+def _windowed_titans(cfg, t: int, backend: str) -> float:
+    h, d = cfg.num_heads, head_dim(cfg)
+    attn = causal_attention(t, d, cfg.window, cfg.num_persistent)
+    return h * (3.0 * attn + neural_memory(t, d, cfg.memory))
+
+
+def _per_head(fn):
+    return lambda cfg, t, backend: cfg.num_heads * fn(cfg, t, head_dim(cfg), backend)
+
+
+MIXER_FLOPS = {
+    "transformer": _per_head(lambda cfg, t, d, be: 3.0 * causal_attention(t, d, cfg.window)),
+    "linear_attention": _per_head(lambda cfg, t, d, be: 3.0 * linear_attention(t, d, cfg.memory.chunk_size)),
+    "deltanet": _per_head(lambda cfg, t, d, be: delta_rule(t, d, cfg.memory.chunk_size, be)),
+    "gated_deltanet": _per_head(lambda cfg, t, d, be: delta_rule(t, d, cfg.memory.chunk_size, be)),
+    "titans_lmm": _per_head(lambda cfg, t, d, be: neural_memory(t, d, cfg.memory)),
+    "ttt_linear": _per_head(lambda cfg, t, d, be: 3.0 * ttt_linear(t, d, cfg.memory.minibatch)),
+    "ttt_mlp": _per_head(lambda cfg, t, d, be: 3.0 * ttt_mlp(t, d, cfg.memory.expansion * d,
+                                                             cfg.memory.minibatch)),
+    "titans_mac": _mac,
+    "titans_mag": _windowed_titans,
+    "titans_mal": _windowed_titans,
+}
+
+
+def mixer_flops_per_token(model_cfg, seq_len: int, backend: str | None = None) -> float:
+    """One layer's token-mixer training FLOPs per token beyond its dense projections (0 with a
+    warning for a family this table does not know yet)."""
+    count = MIXER_FLOPS.get(model_cfg.family)
+    if count is None:
+        from absl import logging
+
+        logging.warning("nlearn.train.flops has no count for family %r: MFU counts its dense layers only",
+                        model_cfg.family)
+        return 0.0
+    return count(model_cfg, seq_len, backend or jax.default_backend()) / seq_len
+
+
+def flops_per_token(model_cfg, params, seq_len: int, backend: str | None = None) -> float:
+    """Training FLOPs per token: 6 per dense weight (`dense_params` of the parameter tree, arrays or
+    shapes) plus every layer's mixer (`mixer_flops_per_token`) at `seq_len`."""
+    return (6.0 * dense_params(params, model_cfg.tie_embeddings)
+            + model_cfg.num_layers * mixer_flops_per_token(model_cfg, seq_len, backend))
 
 
 @functools.lru_cache(maxsize=None)
 def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
-    """Best-of-`repeats` float32 `n x n` matmul rate of the default device, in GFLOP/s."""
+    """Best-of-`repeats` float32 `n x n` matmul rate of the default device, in GFLOP/s: the peak
+    for MFU and the machine line of the benchmark tables."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()

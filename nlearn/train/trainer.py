@@ -126,7 +126,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     tokens_per_step = t.batch_size * t.seq_len
     peak = t.peak_gflops or flops_lib.measure_matmul_gflops()
     progress = Progress(total, step, tokens_per_step,
-                        flops_lib.flops_per_token(config.model, setup.n_params, t.seq_len),
+                        flops_lib.flops_per_token(config.model, setup.abstract_state["params"], t.seq_len),
                         flops_lib.run_peak_flops(peak), enabled=lead and config.logging.progress)
     writer = MetricsWriter(workdir, step) if lead else None
     run_id = (restored or {}).get("wandb_run_id")
