@@ -23,9 +23,9 @@ def machine(gflops: float | None = None) -> str:
     """'<CPU model>, <n> cores, f32 matmul <r> GFLOP/s': which machine a table came from (their speeds
     differ several-fold); `gflops` (measured now if None) is the 1024x1024 float32 matmul rate."""
     if gflops is None:
-        from nlearn.bench import matmul_gflops
+        from nlearn.train.flops import measure_matmul_gflops
 
-        gflops = matmul_gflops()
+        gflops = measure_matmul_gflops()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{cpu_model()}, {cores} cores, f32 matmul {gflops:.0f} GFLOP/s"
 
