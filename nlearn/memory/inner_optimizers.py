@@ -69,8 +69,10 @@ INNER_OPTIMIZERS: dict[str, InnerOptimizer] = {
     "momentum": linear_optimizer("momentum", momentum=True, precondition=False),
     # Plain (decayed) gradient descent: W_t = (1 − α_t) W_{t-1} − η_t g_t.
     "sgd": linear_optimizer("sgd", momentum=False, precondition=False),
-    # Nested Learning DGD (eq. 88) per layer: W_t = ((1 − α_t) I − η_t xᵀx) W_{t-1} + U_t.
-    "dgd": linear_optimizer("dgd", momentum=True, precondition=True),
+    # Nested Learning DGD (eq. 88) per layer: W_t = ((1 − α_t) I − η_t xᵀx) W_{t-1} − η_t g_t.
+    "dgd": linear_optimizer("dgd", momentum=False, precondition=True),
+    # DGD's preconditioner with Titans' momentum: W_t = ((1 − α_t) I − η_t xᵀx) W_{t-1} + U_t.
+    "dgd_momentum": linear_optimizer("dgd_momentum", momentum=True, precondition=True),
 }
 
 

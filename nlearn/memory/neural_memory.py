@@ -10,7 +10,8 @@ gradients at the state θ_{s(t)} where the mini-batch starts (b = 1: fully onlin
     momentum:  U_t = μ_t U_{t-1} − η_t g_t,  θ_t = (1 − α_t) θ_{t-1} + U_t
     sgd:       θ_t = (1 − α_t) θ_{t-1} − η_t g_t                       (U passes through)
     dgd:       per layer, with x_t that layer's input at θ_{s(t)} (for W_1: x_t = k_t),
-               W_t = ((1 − α_t) I − η_t x_tᵀ x_t) W_{t-1} + U_t,  U_t = μ_t U_{t-1} − η_t g_t
+               W_t = ((1 − α_t) I − η_t x_tᵀ x_t) W_{t-1} − η_t g_t             (U passes through)
+    dgd_momentum: the same preconditioner with the momentum update U_t in place of −η_t g_t
 
 `momentum=None` means μ = 0 (then "momentum" is decayed SGD whose state U holds −η_t g_t of the last
 token); `decay=None` means α = 0. Activations: "gelu" is the tanh approximation (jax.nn.gelu's
@@ -22,7 +23,7 @@ DGD (Nested Learning eq. 88) is written there for column-vector memories, M_t = 
 moves to the input side, W_t = (a_t I − η_t kᵀk) W_{t-1} − η_t g_t with a_t = 1 − α_t (our α is a
 forgetting rate, as in Titans); for an MLP every W_i gets the preconditioner of its own input x_i,
 taken at the mini-batch start like the gradient (as in the seed's chunk-wise eq. 90), while it
-multiplies the current W_{t-1}. What it reduces to for L = 1, μ = 0, α = 0:
+multiplies the current W_{t-1}. What it reduces to for L = 1, α = 0:
     dot objective (g = −kᵀv):  W_t = W_{t-1} + η_t k_tᵀ(v_t − k_t W_{t-1}) — exactly the delta rule
         with β = η, for every mini-batch size (the gradient does not depend on the state);
     l2, b = 1 (g = kᵀ(kW_{t-1} − v)):  W_t = (I − 2η_t k_tᵀk_t) W_{t-1} + η_t k_tᵀ v_t, a delta rule
