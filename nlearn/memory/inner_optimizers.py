@@ -21,6 +21,9 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
 
 Step = Callable[..., tuple[tuple, tuple]]
 
@@ -56,8 +59,9 @@ def linear_optimizer(name: str, *, momentum: bool, precondition: bool) -> InnerO
         for w, d, x in zip(theta, delta, inputs):
             w_new = a * w + d
             if precondition:
-                xw = jnp.einsum("bhi,bhio->bho", x, w)
-                w_new = w_new - eta * jnp.einsum("bhi,bho->bhio", x, xw)
+                # Per-token matmuls in float32 on every backend (as the ops' chunked forms by default).
+                xw = jnp.einsum("bhi,bhio->bho", x, w, precision=HIGHEST)
+                w_new = w_new - eta * jnp.einsum("bhi,bho->bhio", x, xw, precision=HIGHEST)
             new.append(w_new)
         return tuple(new), U
 
