@@ -1,10 +1,14 @@
 """Titans long-term neural memory (LMM) / TTT-MLP: an MLP whose weights are trained while it reads.
 
 Per batch element and head, the memory is an MLP `f(x; θ)` with weights θ = (W_1..W_L),
-`W_i [d_in, d_out]`, no biases: h_0 = x, h_i = σ(h_{i-1} W_i) for i < L, f(x) = h_{L-1} W_L
-(+ x when `residual`). Token t writes by one step of an inner optimizer on l_t(θ) = loss(f(k_t), v_t)
-and then reads o_t = f(q_t; θ_t) (read after write). Mini-batches of b tokens take all their
-gradients at the state θ_{s(t)} where the mini-batch starts (b = 1: fully online, θ_{t-1}):
+`W_i [d_in, d_out]`: h_0 = x, h_i = σ(h_{i-1} W_i) for i < L, z_L = h_{L-1} W_L, f(x) = z_L
+(+ x when `residual`). Two inner-model options: `bias` stores each layer's bias as the last input
+row of its weight, so the layer sees [h, 1] and every formula below holds with that input; and
+`layer_norm=(scale, shift)` makes f(x) = LN(z_L)·scale + shift (+ x). TTT-MLP is this memory with
+both, the residual and `sgd` (`nlearn.memory.ttt_mlp`). Token t writes by one step of an inner
+optimizer on l_t(θ) = loss(f(k_t), v_t) and then reads o_t = f(q_t; θ_t) (read after write).
+Mini-batches of b tokens take all their gradients at the state θ_{s(t)} where the mini-batch
+starts (b = 1: fully online, θ_{t-1}):
 
     g_t = ∇_θ l_t(θ_{s(t)})
     momentum:  U_t = μ_t U_{t-1} − η_t g_t,  θ_t = (1 − α_t) θ_{t-1} + U_t

@@ -30,19 +30,30 @@ def _inputs(seed=0):
     q, k = (f32(unit(rng.normal(size=(B, T, H, D)))) for _ in range(2))
     v = f32(rng.normal(size=(B, T, H, D)))
     lr, mu, alpha = (f32(rng.uniform(lo, hi, size=(B, T, H))) for lo, hi in ((0.05, 0.3), (0.2, 0.8), (0.0, 0.05)))
-    w = (f32(rng.normal(size=(H, D, F)) / 2), f32(rng.normal(size=(H, F, D)) / 3))
+    w = (f32(rng.normal(size=(H, D + 1, F)) / 2), f32(rng.normal(size=(H, F + 1, D)) / 3))  # bias rows
     ttt = dict(W1_0=f32(0.3 * rng.normal(size=(H, D, F))), b1_0=f32(0.1 * rng.normal(size=(H, F))),
                W2_0=f32(0.3 * rng.normal(size=(H, F, D))), b2_0=f32(0.1 * rng.normal(size=(H, D))),
                ln_scale=f32(1.0 + 0.2 * rng.normal(size=(H, D))), ln_bias=f32(0.1 * rng.normal(size=(H, D))))
     return (q, k, v, lr, mu, alpha, w), ttt
 
 
-def _memory(impl, minibatch, optimizer="dgd_momentum"):
-    """A scalar of neural_memory's outputs and final weights (DGD with momentum: every term of the dual form)."""
+# Every inner-model option at once: DGD with momentum and decay (every term of the dual form), biases,
+# the output LayerNorm and the residual.
+OPTIONS = dict(optimizer="dgd_momentum", bias=True, residual=True)
+
+
+def _ln(seed=5):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(1.0 + 0.2 * rng.normal(size=(H, D)), jnp.float32),
+            jnp.asarray(0.1 * rng.normal(size=(H, D)), jnp.float32))
+
+
+def _memory(impl, minibatch):
+    """A scalar of neural_memory's outputs and final weights, and the outputs."""
 
     def fn(q, k, v, lr, mu, alpha, w):
-        o, (theta, _) = neural_memory(q, k, v, lr=lr, momentum=mu, decay=alpha, weights0=w, optimizer=optimizer,
-                                      minibatch=minibatch, impl=impl)
+        o, (theta, _) = neural_memory(q, k, v, lr=lr, momentum=mu, decay=alpha, weights0=w, minibatch=minibatch,
+                                      impl=impl, layer_norm=_ln(), **OPTIONS)
         return jnp.sum(jnp.sin(o)) + sum(jnp.sum(t) for t in theta), o
     return fn
 
@@ -56,7 +67,7 @@ def _ttt(impl, ttt):
 
 def _step(q, k, v, lr, mu, alpha, w):
     o, st = neural_memory_step(q[:, 0], k[:, 0], v[:, 0], lr=lr[:, 0], momentum=mu[:, 0], decay=alpha[:, 0],
-                               state=init_state(w, B), optimizer="dgd_momentum", minibatch=4)
+                               state=init_state(w, B), minibatch=4, layer_norm=_ln(), **OPTIONS)
     return jnp.sum(o) + sum(jnp.sum(t) for t in st.theta), o
 
 
@@ -71,7 +82,7 @@ def _ttt_step(ttt):
 
 def _read(q, k, v, lr, mu, alpha, w):
     theta = tuple(jnp.broadcast_to(x, (B,) + x.shape) for x in w)
-    o = mlp_apply(theta, jnp.swapaxes(q, 1, 2))
+    o = mlp_apply(theta, jnp.swapaxes(q, 1, 2), bias=True, residual=True, layer_norm=_ln())
     return jnp.sum(o), o
 
 
@@ -131,8 +142,8 @@ def _run(fn, *args):
 
 
 def test_equivalences_hold_under_bfloat16_default_precision():
-    """chunked == recurrent (neural_memory, values and gradients) and dual == recurrent (ttt_mlp) with
-    the process-wide default at bfloat16: the ops pass HIGHEST themselves."""
+    """chunked == recurrent (neural_memory with every inner-model option, gradients) and dual ==
+    recurrent (ttt_mlp) with the process-wide default at bfloat16: the ops pass HIGHEST themselves."""
     args, ttt = _inputs(seed=1)
     with jax.default_matmul_precision("bfloat16"):
         grads = {impl: _run(jax.grad(_memory(impl, 4), argnums=(0, 1, 3, 6), has_aux=True), *args)
