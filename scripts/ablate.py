@@ -25,8 +25,8 @@ from nlearn.train.metrics import throughput  # noqa: E402
 from results_md import write_results  # noqa: E402
 
 # "" is the default inner learner (optimizer=momentum, objective=l2, minibatch=16, depth=2).
-VARIANTS = ("", "optimizer=sgd", "optimizer=dgd", "objective=dot", "minibatch=4", "depth=3",
-            "optimizer=adamq")
+VARIANTS = ("", "optimizer=sgd", "optimizer=dgd", "optimizer=dgd_momentum", "objective=dot", "minibatch=4",
+            "depth=3", "optimizer=adamq")
 
 
 

@@ -65,3 +65,37 @@ def test_decay_init_sets_the_forgetting_gates_start():
         model.memory.decay_init = bad
         with pytest.raises(UserError, match="model.memory.decay_init"):
             config_lib.validate(config)
+
+
+# Which learned gates each inner optimizer's layer builds (written out, not read from the registry):
+# only optimizers with a momentum buffer get a momentum gate; dgd is eq. 88, which has none.
+GATES_BY_OPTIMIZER = {
+    "momentum": {"lr_gate", "momentum_gate", "decay_gate"},
+    "sgd": {"lr_gate", "decay_gate"},
+    "dgd": {"lr_gate", "decay_gate"},
+    "dgd_momentum": {"lr_gate", "momentum_gate", "decay_gate"},
+}
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_layer_builds_the_gates_of_its_optimizer(momentum):
+    """Every registered optimizer builds exactly its gates, whatever `memory.momentum` says; a
+    forward pass with the dgd layer runs on them."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nlearn.layers.memory_mixer import NeuralMemoryMixer
+    from nlearn.memory.inner_optimizers import INNER_OPTIMIZERS
+
+    assert set(GATES_BY_OPTIMIZER) == set(INNER_OPTIMIZERS)
+    model = load_family_config("titans_lmm").model
+    model.memory.momentum = momentum
+    for name, gates in GATES_BY_OPTIMIZER.items():
+        model.memory.optimizer = name
+        mixer = NeuralMemoryMixer(model, rngs=nnx.Rngs(0))
+        built = {key for key in nnx.state(mixer, nnx.Param) if key.endswith("_gate")}
+        assert built == (gates if momentum else gates - {"momentum_gate"}), name
+    model.memory.optimizer = "dgd"
+    mixer = NeuralMemoryMixer(model, rngs=nnx.Rngs(0))
+    y, _ = mixer(jnp.ones((1, 5, model.d_model)))
+    assert y.shape == (1, 5, model.d_model) and bool(jnp.all(jnp.isfinite(y)))

@@ -180,7 +180,8 @@ class NeuralMemoryMixer(MemoryMixer):
                   std=(0.02 if mem.residual else 1.0 / math.sqrt(d_in)))
             for d_in, d_out in zip(dims[:-1], dims[1:])])
         self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
-        # Optimizers without a momentum buffer (sgd, dgd) ignore `memory.momentum`.
+        # Optimizers without a momentum buffer (sgd, dgd: eq. 88) build no momentum gate, whatever
+        # `memory.momentum` says.
         self.momentum_gate = (Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
                               if mem.momentum and get_inner_optimizer(mem.optimizer).momentum else None)
         self.decay_gate = (Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)

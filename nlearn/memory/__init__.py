@@ -4,4 +4,5 @@ from nlearn.memory.delta import delta_rule, delta_rule_step, gated_delta_rule, g
 from nlearn.memory.linear_attention import LinearAttentionState, linear_attention, linear_attention_step
 from nlearn.memory.ttt import TTTState, ttt_linear, ttt_linear_init_state, ttt_linear_step
 from nlearn.memory.ttt_mlp import TTTMLPState, TTTMLPWeights, ttt_mlp, ttt_mlp_init_state, ttt_mlp_step
-from nlearn.memory.neural_memory import NeuralMemoryState, neural_memory, neural_memory_init_state, neural_memory_step
+from nlearn.memory.neural_memory import (NeuralMemoryState, mlp_apply, neural_memory, neural_memory_init_state,
+                                         neural_memory_step)

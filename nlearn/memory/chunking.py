@@ -7,6 +7,7 @@ Ops take `[B, T, H, D]` activations and `[B, T, H]` gates; the chunked forms wor
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 
 def check_positive(name: str, value: int) -> None:
@@ -47,6 +48,27 @@ def pad_time(x, multiple: int, value: float = 0.0):
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, pad)
     return jnp.pad(x, widths, constant_values=value)
+
+
+def place_at(x, offset, length: int):
+    """`x [B, T, ...]` at time `offset` of zeros `[B, length, ...]`.
+
+    How a stream resumes mid-mini-batch: its next piece goes `offset` tokens into a timeline of whole
+    mini-batches (the empty slots before it have zero rates and change nothing). `offset` is an int
+    (a static pad) or a traced scalar (a dynamic update).
+    """
+    if isinstance(offset, int):
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (offset, length - offset - x.shape[1])
+        return jnp.pad(x, widths)
+    return lax.dynamic_update_slice_in_dim(jnp.zeros((x.shape[0], length) + x.shape[2:], x.dtype), x, offset, axis=1)
+
+
+def take_at(y, offset, length: int):
+    """The inverse of `place_at`: `y[:, offset:offset + length]` for an int or traced `offset`."""
+    if isinstance(offset, int):
+        return y[:, offset:offset + length]
+    return lax.dynamic_slice_in_dim(y, offset, length, axis=1)
 
 
 def to_chunks(x, chunk: int):

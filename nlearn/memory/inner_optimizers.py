@@ -21,6 +21,9 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
 
 Step = Callable[..., tuple[tuple, tuple]]
 
@@ -56,8 +59,9 @@ def linear_optimizer(name: str, *, momentum: bool, precondition: bool) -> InnerO
         for w, d, x in zip(theta, delta, inputs):
             w_new = a * w + d
             if precondition:
-                xw = jnp.einsum("bhi,bhio->bho", x, w)
-                w_new = w_new - eta * jnp.einsum("bhi,bho->bhio", x, xw)
+                # Per-token matmuls in float32 on every backend (as the ops' chunked forms by default).
+                xw = jnp.einsum("bhi,bhio->bho", x, w, precision=HIGHEST)
+                w_new = w_new - eta * jnp.einsum("bhi,bho->bhio", x, xw, precision=HIGHEST)
             new.append(w_new)
         return tuple(new), U
 
@@ -69,8 +73,10 @@ INNER_OPTIMIZERS: dict[str, InnerOptimizer] = {
     "momentum": linear_optimizer("momentum", momentum=True, precondition=False),
     # Plain (decayed) gradient descent: W_t = (1 − α_t) W_{t-1} − η_t g_t.
     "sgd": linear_optimizer("sgd", momentum=False, precondition=False),
-    # Nested Learning DGD (eq. 88) per layer: W_t = ((1 − α_t) I − η_t xᵀx) W_{t-1} + U_t.
-    "dgd": linear_optimizer("dgd", momentum=True, precondition=True),
+    # Nested Learning DGD (eq. 88) per layer: W_t = ((1 − α_t) I − η_t xᵀx) W_{t-1} − η_t g_t.
+    "dgd": linear_optimizer("dgd", momentum=False, precondition=True),
+    # DGD's preconditioner with Titans' momentum: W_t = ((1 − α_t) I − η_t xᵀx) W_{t-1} + U_t.
+    "dgd_momentum": linear_optimizer("dgd_momentum", momentum=True, precondition=True),
 }
 
 

@@ -1,16 +1,21 @@
 """Titans long-term neural memory (LMM) / TTT-MLP: an MLP whose weights are trained while it reads.
 
 Per batch element and head, the memory is an MLP `f(x; θ)` with weights θ = (W_1..W_L),
-`W_i [d_in, d_out]`, no biases: h_0 = x, h_i = σ(h_{i-1} W_i) for i < L, f(x) = h_{L-1} W_L
-(+ x when `residual`). Token t writes by one step of an inner optimizer on l_t(θ) = loss(f(k_t), v_t)
-and then reads o_t = f(q_t; θ_t) (read after write). Mini-batches of b tokens take all their
-gradients at the state θ_{s(t)} where the mini-batch starts (b = 1: fully online, θ_{t-1}):
+`W_i [d_in, d_out]`: h_0 = x, h_i = σ(h_{i-1} W_i) for i < L, z_L = h_{L-1} W_L, f(x) = z_L
+(+ x when `residual`). Two inner-model options: `bias` stores each layer's bias as the last input
+row of its weight, so the layer sees [h, 1] and every formula below holds with that input; and
+`layer_norm=(scale, shift)` makes f(x) = LN(z_L)·scale + shift (+ x). TTT-MLP is this memory with
+both, the residual and `sgd` (`nlearn.memory.ttt_mlp`). Token t writes by one step of an inner
+optimizer on l_t(θ) = loss(f(k_t), v_t) and then reads o_t = f(q_t; θ_t) (read after write).
+Mini-batches of b tokens take all their gradients at the state θ_{s(t)} where the mini-batch
+starts (b = 1: fully online, θ_{t-1}):
 
     g_t = ∇_θ l_t(θ_{s(t)})
     momentum:  U_t = μ_t U_{t-1} − η_t g_t,  θ_t = (1 − α_t) θ_{t-1} + U_t
     sgd:       θ_t = (1 − α_t) θ_{t-1} − η_t g_t                       (U passes through)
     dgd:       per layer, with x_t that layer's input at θ_{s(t)} (for W_1: x_t = k_t),
-               W_t = ((1 − α_t) I − η_t x_tᵀ x_t) W_{t-1} + U_t,  U_t = μ_t U_{t-1} − η_t g_t
+               W_t = ((1 − α_t) I − η_t x_tᵀ x_t) W_{t-1} − η_t g_t             (U passes through)
+    dgd_momentum: the same preconditioner with the momentum update U_t in place of −η_t g_t
 
 `momentum=None` means μ = 0 (then "momentum" is decayed SGD whose state U holds −η_t g_t of the last
 token); `decay=None` means α = 0. Activations: "gelu" is the tanh approximation (jax.nn.gelu's
@@ -22,7 +27,7 @@ DGD (Nested Learning eq. 88) is written there for column-vector memories, M_t = 
 moves to the input side, W_t = (a_t I − η_t kᵀk) W_{t-1} − η_t g_t with a_t = 1 − α_t (our α is a
 forgetting rate, as in Titans); for an MLP every W_i gets the preconditioner of its own input x_i,
 taken at the mini-batch start like the gradient (as in the seed's chunk-wise eq. 90), while it
-multiplies the current W_{t-1}. What it reduces to for L = 1, μ = 0, α = 0:
+multiplies the current W_{t-1}. What it reduces to for L = 1, α = 0:
     dot objective (g = −kᵀv):  W_t = W_{t-1} + η_t k_tᵀ(v_t − k_t W_{t-1}) — exactly the delta rule
         with β = η, for every mini-batch size (the gradient does not depend on the state);
     l2, b = 1 (g = kᵀ(kW_{t-1} − v)):  W_t = (I − 2η_t k_tᵀk_t) W_{t-1} + η_t k_tᵀ v_t, a delta rule
@@ -71,11 +76,15 @@ from nlearn.memory.chunking import (
     check_positive,
     check_qkv,
     from_chunks,
+    place_at,
+    take_at,
     to_chunks,
 )
 from nlearn.memory.delta import unit_lower_inverse
 from nlearn.memory.inner_optimizers import InnerOptimizer, get_inner_optimizer
+from nlearn.memory.linear_attention import HIGHEST
 from nlearn.memory.objectives import Objective, get_objective, output_grad
+from nlearn.memory.ttt import ln_parts
 
 ACTIVATIONS: dict[str, Callable] = {
     "gelu": lambda z: jax.nn.gelu(z, approximate=True),
@@ -107,34 +116,46 @@ class _Spec:
     objective: Objective
     opt: InnerOptimizer
     minibatch: int
+    precision: object = HIGHEST
+    bias: bool = False  # every weight's last input row is its bias (the layer sees [x, 1])
+    norm: tuple | None = None  # (scale, shift) [H, Dv] of a LayerNorm on the last layer's output
 
 
-def _make_spec(activation, residual, objective, optimizer, minibatch) -> _Spec:
+def _make_spec(activation, residual, objective, optimizer, minibatch, *, precision=HIGHEST, bias=False,
+               layer_norm=None) -> _Spec:
     check_positive("minibatch", minibatch)
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; valid activations: {sorted(ACTIVATIONS)}")
+    if layer_norm is not None and (len(layer_norm) != 2 or layer_norm[0].shape != layer_norm[1].shape
+                                   or layer_norm[0].ndim != 2):
+        raise ValueError("layer_norm must be a pair (scale, shift) of [H, Dv] arrays")
     return _Spec(ACTIVATIONS[activation], bool(residual), get_objective(objective),
-                 get_inner_optimizer(optimizer), minibatch)
+                 get_inner_optimizer(optimizer), minibatch, precision, bool(bias),
+                 None if layer_norm is None else tuple(layer_norm))
 
 
 # ----------------------------------------------------------------------------------------------
 # Weights and state
 
 
-def _check_weights(weights, dk: int, dv: int, residual: bool, batch: int | None = None) -> None:
+def _check_weights(weights, dk: int, dv: int, spec: _Spec, batch: int | None = None) -> None:
     if not isinstance(weights, (tuple, list)) or len(weights) == 0:
         raise ValueError("weights0 must be a non-empty tuple of [H, d_in, d_out] or [B, H, d_in, d_out] arrays")
     d = dk
     for i, w in enumerate(weights):
-        if w.ndim not in (3, 4) or w.shape[-2] != d:
+        rows = d + 1 if spec.bias else d  # with biases, the last row of each weight
+        if w.ndim not in (3, 4) or w.shape[-2] != rows:
             raise ValueError(
-                f"weight {i} must have shape [H, {d}, d_out] or [B, H, {d}, d_out], got {tuple(w.shape)}")
+                f"weight {i} must have shape [H, {rows}, d_out] or [B, H, {rows}, d_out], got {tuple(w.shape)}")
         if batch is not None and w.ndim == 4 and w.shape[0] != batch:
             raise ValueError(f"weight {i} has batch {w.shape[0]}, expected {batch}")
         d = w.shape[-1]
     if d != dv:
         raise ValueError(f"the last weight must output Dv = {dv} features, got {d}")
-    if residual and dk != dv:
+    if spec.norm is not None and spec.norm[0].shape != (weights[0].shape[-3], dv):
+        raise ValueError(f"layer_norm arrays must have shape [H, Dv] = {(weights[0].shape[-3], dv)}, "
+                         f"got {tuple(spec.norm[0].shape)}")
+    if spec.residual and dk != dv:
         raise ValueError(f"residual=True needs Dk == Dv, got Dk={dk}, Dv={dv}")
 
 
@@ -168,11 +189,31 @@ def _as_stream_state(initial_state, batch: int) -> tuple[NeuralMemoryState, bool
 # The inner model
 
 
-def _apply(h, w):
+def _apply(h, w, precision):
     """h [B, H, d] or [B, H, C, d] times w [B, H, d, e]."""
     if h.ndim == w.ndim - 1:
-        return jnp.einsum("bhi,bhio->bho", h, w)
-    return jnp.matmul(h, w)
+        return jnp.einsum("bhi,bhio->bho", h, w, precision=precision)
+    return jnp.matmul(h, w, precision=precision)
+
+
+def _layer_input(spec: _Spec, h):
+    """What a layer multiplies by its weight: h, or [h, 1] when the weight's last row is a bias."""
+    if not spec.bias:
+        return h
+    return jnp.concatenate([h, jnp.ones(h.shape[:-1] + (1,), h.dtype)], axis=-1)
+
+
+def _head_rows(a, z):
+    """A per-head `[H, D]` array shaped to broadcast against z `[B, H, D]` or `[B, H, C, D]`."""
+    return a.reshape((a.shape[0],) + (1,) * (z.ndim - 3) + (a.shape[1],))
+
+
+def _output(spec: _Spec, z, x):
+    """The memory's output from the last layer's z and the input x: LayerNorm and residual if set."""
+    if spec.norm is not None:
+        scale, shift = spec.norm
+        z = ln_parts(z)[0] * _head_rows(scale, z) + _head_rows(shift, z)
+    return z + x if spec.residual else z
 
 
 def _mlp(spec: _Spec, theta, x):
@@ -180,13 +221,23 @@ def _mlp(spec: _Spec, theta, x):
     inputs = []
     h = x
     for i, w in enumerate(theta):
+        h = _layer_input(spec, h)
         inputs.append(h)
-        h = _apply(h, w)
+        h = _apply(h, w.astype(h.dtype), spec.precision)
         if i < len(theta) - 1:
             h = spec.act(h)
-    if spec.residual:
-        h = h + x
-    return h, inputs
+    return _output(spec, h, x), inputs
+
+
+def mlp_apply(theta, x, *, activation: str = "gelu", residual: bool = False, bias: bool = False, layer_norm=None,
+              precision=HIGHEST):
+    """The memory's read f(x; θ) without a write, the same function the op reads with.
+
+    θ: tuple of `[B, H, d_in, d_out]` (`[B, H, d_in + 1, d_out]` with `bias`); x: `[B, H, d]` or
+    `[B, H, T, d]` (heads before tokens) -> `[..., d_out]`; the weights are cast to x's dtype.
+    """
+    spec = _make_spec(activation, residual, "l2", "sgd", 1, precision=precision, bias=bias, layer_norm=layer_norm)
+    return _mlp(spec, tuple(theta), x)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +328,7 @@ def _log_gate(g):
     return jnp.log(jnp.maximum(g, jnp.asarray(_TINY, g.dtype)))
 
 
-def _transfer(g):
+def _transfer(g, precision):
     """g [..., c] -> (P [..., c, c], p [..., c]) with P[t, r] = Π_{r < m ≤ t} g_m for r ≤ t (else 0)
     and p[t] = Π_{m ≤ t} g_m. Sums of logs via a lower-triangular matmul: small, exact-order sums,
     and a cheap gradient (cumprod's gradient on CPU is a large associative scan)."""
@@ -286,9 +337,9 @@ def _transfer(g):
     idx = jnp.arange(c)
     tril = (idx[:, None] >= idx[None, :]).astype(g.dtype)
     later = idx[:, None] > idx[None, :]  # [m, r]: m > r
-    seg = jnp.matmul(tril, jnp.where(later, lg[..., :, None], jnp.zeros((), g.dtype)))
+    seg = jnp.matmul(tril, jnp.where(later, lg[..., :, None], jnp.zeros((), g.dtype)), precision=precision)
     pmat = jnp.where(tril > 0, jnp.exp(seg), jnp.zeros((), g.dtype))
-    pvec = jnp.exp(jnp.einsum("tm,...m->...t", tril, lg))
+    pvec = jnp.exp(jnp.einsum("tm,...m->...t", tril, lg, precision=precision))
     return pmat, pvec
 
 
@@ -311,9 +362,9 @@ def _swap(x):
 SCAN_GROUP = 4
 
 
-def _outer_sum(x, e):
+def _outer_sum(x, e, precision):
     """Σ_j x_jᵀ e_j for x [..., c, d_in], e [..., c, d_out] -> [..., d_in, d_out]."""
-    return jnp.matmul(_swap(x), e)
+    return jnp.matmul(_swap(x), e, precision=precision)
 
 
 def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: bool, want_loss: bool):
@@ -327,12 +378,14 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     nl = len(theta_c)
     dt = q.dtype
     c = q.shape[-2]
+    prec = spec.precision
+    mm = lambda x, y: jnp.matmul(x, y, precision=prec)  # noqa: E731
 
     # Key side at the start state: layer inputs x_i, pre-activations z_i, errors δ_i. When the
     # reads start from the same state, q meets W_1 in the same matmul as k.
     q_first = None
     if same_start:
-        zz = jnp.matmul(jnp.concatenate([k, q], axis=-2), theta_s[0])
+        zz = mm(_layer_input(spec, jnp.concatenate([k, q], axis=-2)), theta_s[0])
         q_first = zz[..., c:, :]
         first_layer = zz[..., :c, :]
     inputs, zs, deltas = _key_side(spec, theta_s, k, v, first_layer if q_first is not None else None)
@@ -342,14 +395,14 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
         dmat = jnp.broadcast_to(jnp.tril(jnp.ones((c, c), dt)), eta.shape + (c,))
         avec = jnp.ones_like(eta)
     else:
-        dmat, avec = _transfer(a)
+        dmat, avec = _transfer(a, prec)
     cm = jnp.ones_like(eta) if act is None else jnp.broadcast_to(act, eta.shape)
     mvec = pmat = None
     if opt.momentum:
-        pmat, mprod = _transfer(mu)
-        cmat = jnp.matmul(dmat, cm[..., :, None] * pmat)
+        pmat, mprod = _transfer(mu, prec)
+        cmat = mm(dmat, cm[..., :, None] * pmat)
         if use_mu:
-            mvec = jnp.einsum("...tr,...r->...t", dmat, cm * mprod)
+            mvec = jnp.einsum("...tr,...r->...t", dmat, cm * mprod, precision=prec)
     else:
         cmat = dmat
     ceta = cmat * eta[..., None, :]
@@ -366,14 +419,14 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     if opt.precondition:
         for i in range(nl):
             x = inputs[i]
-            gram = jnp.matmul(x, _swap(x))
-            xw = zs[i] if same_start else jnp.matmul(x, theta_c[i])
-            rhs = avec_p[..., None] * xw - jnp.matmul(gram * ceta_p, deltas[i])
+            gram = mm(x, _swap(x))
+            xw = zs[i] if same_start else mm(x, theta_c[i])
+            rhs = avec_p[..., None] * xw - mm(gram * ceta_p, deltas[i])
             if mvec_p is not None:
-                rhs = rhs + mvec_p[..., None] * jnp.matmul(x, U_c[i])
+                rhs = rhs + mvec_p[..., None] * mm(x, U_c[i])
             # (I + strictly lower)⁻¹ by block doubling: batched matmuls, no LAPACK call (whose
             # OpenBLAS threads fight XLA's on a small CPU) and no row-by-row solve.
-            us[i] = jnp.matmul(unit_lower_inverse(gram * deta_p), rhs)
+            us[i] = mm(unit_lower_inverse(gram * deta_p, prec), rhs)
 
     cat = [None] * nl
     if mvec is not None:
@@ -383,22 +436,23 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     def read(y0, av, mv, ce, de, first=None):
         y = y0
         for i in range(nl):
-            gy = jnp.matmul(y, _swap(inputs[i]))
+            y = _layer_input(spec, y)
+            gy = mm(y, _swap(inputs[i]))
             yu = None
             if i == 0 and first is not None:
                 yw = first
             elif mv is not None and cat[i] is not None:
-                yy = jnp.matmul(y, cat[i])
+                yy = mm(y, cat[i])
                 yw, yu = yy[..., :theta_c[i].shape[-1]], yy[..., theta_c[i].shape[-1]:]
             else:
-                yw = jnp.matmul(y, theta_c[i])
-            z = av[..., None] * yw - jnp.matmul(gy * ce, deltas[i])
+                yw = mm(y, theta_c[i])
+            z = av[..., None] * yw - mm(gy * ce, deltas[i])
             if mv is not None:
-                z = z + mv[..., None] * (jnp.matmul(y, U_c[i]) if yu is None else yu)
+                z = z + mv[..., None] * (mm(y, U_c[i]) if yu is None else yu)
             if de is not None:
-                z = z - jnp.matmul(gy * de, us[i])
+                z = z - mm(gy * de, us[i])
             y = spec.act(z) if i < nl - 1 else z
-        return y + y0 if spec.residual else y
+        return _output(spec, y, y0)
 
     o = read(q, avec, mvec, ceta, deta, q_first)
     losses = None
@@ -417,11 +471,11 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
             err = err + deta[..., -1, :, None] * us[i]
         if opt.momentum:
             pe = (pmat[..., -1, :] * eta)[..., :, None] * deltas[i]
-            both = _outer_sum(x, jnp.concatenate([err, pe], axis=-1))
+            both = _outer_sum(x, jnp.concatenate([err, pe], axis=-1), prec)
             dw, du = both[..., :err.shape[-1]], both[..., err.shape[-1]:]
             U_new.append(mprod[..., -1, None, None] * U_c[i] - du)
         else:
-            dw = _outer_sum(x, err)
+            dw = _outer_sum(x, err, prec)
             U_new.append(U_c[i])
         w = a_last * theta_c[i] - dw
         if mvec is not None:
@@ -439,20 +493,27 @@ def _key_side(spec: _Spec, theta, k, v, z1=None):
     inputs, zs, dacts = [], [], []
     h = k
     for i, w in enumerate(theta):
+        h = _layer_input(spec, h)
         inputs.append(h)
-        z = z1 if (i == 0 and z1 is not None) else _apply(h, w)
+        z = z1 if (i == 0 and z1 is not None) else _apply(h, w, spec.precision)
         zs.append(z)
         if i < nl - 1:
             h, d = jax.jvp(spec.act, (z,), (jnp.ones_like(z),))
             dacts.append(d)
-    pred = zs[-1] + k if spec.residual else zs[-1]
-    delta = output_grad(spec.objective, pred, v)
+    if spec.norm is None:
+        delta = output_grad(spec.objective, _output(spec, zs[-1], k), v)
+    else:  # through the LayerNorm by hand: δ = r (γ − mean γ − ẑ mean(γ ẑ)), γ = scale ⊙ ∂l/∂f
+        zh, rstd = ln_parts(zs[-1])
+        scale = _head_rows(spec.norm[0], zh)
+        gam = scale * output_grad(spec.objective, _output(spec, zs[-1], k), v)
+        delta = rstd * (gam - jnp.mean(gam, axis=-1, keepdims=True) - zh * jnp.mean(gam * zh, axis=-1, keepdims=True))
     deltas = [None] * nl
     for i in reversed(range(nl)):
         deltas[i] = delta
         if i > 0:
-            delta = jnp.einsum("...o,...io->...i" if delta.ndim == theta[i].ndim - 1 else "...co,...io->...ci",
-                               delta, theta[i]) * dacts[i - 1]
+            w = theta[i][..., :-1, :] if spec.bias else theta[i]  # the bias row has no input to go back to
+            delta = jnp.einsum("...o,...io->...i" if delta.ndim == w.ndim - 1 else "...co,...io->...ci",
+                               delta, w, precision=spec.precision) * dacts[i - 1]
     return inputs, zs, deltas
 
 
@@ -468,7 +529,7 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
         q_t, k_t, v_t, eta_t, mu_t, a_t = x
         inputs, _, deltas = _key_side(spec, theta, k_t, v_t)
         # Outer products as dots (their backward is then a matvec, not a slow small reduction).
-        grads = tuple(jnp.einsum("bhi,bho->bhio", x_, d_) for x_, d_ in zip(inputs, deltas))
+        grads = tuple(jnp.einsum("bhi,bho->bhio", x_, d_, precision=spec.precision) for x_, d_ in zip(inputs, deltas))
         new_theta, new_U = spec.opt.step(theta, U, grads, inputs, _gate4(eta_t), _gate4(mu_t), _gate4(a_t))
         o_t = _mlp(spec, new_theta, q_t)[0]
         losses = None
@@ -496,8 +557,9 @@ def _static_int(x):
     return int(x)
 
 
-def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bool, want_start: bool):
-    bsz, t_len, _heads = q.shape[:3]
+def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bool, want_start: bool,
+             remat_group: int | None):
+    t_len = q.shape[1]
     b = spec.minibatch
     use_mu = mu is not None
     if spec.opt.momentum and mu is None:
@@ -507,26 +569,19 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
 
     def n_chunks(n):
         # Mini-batches after the first (resumed) one go G at a time through the scan.
-        g = SCAN_GROUP if n - first >= 16 * SCAN_GROUP else 1
+        g = remat_group or (SCAN_GROUP if n - first >= 16 * SCAN_GROUP else 1)
         return first + -(-(n - first) // g) * g, g
 
     # Lay the tokens on a timeline of whole mini-batches; position p of it is token 0.
-    if p is not None:
-        n, group = n_chunks(-(-(p + t_len) // b))
-        lv = n * b
-
-        def place(x):
-            widths = [(0, 0)] * x.ndim
-            widths[1] = (p, lv - p - t_len)
-            return jnp.pad(x, widths)
-    else:
+    if p is None:
         p = state.pos
         n, group = n_chunks(-(-(t_len + b - 1) // b))
-        lv = n * b
+    else:
+        n, group = n_chunks(-(-(p + t_len) // b))
+    lv = n * b
 
-        def place(x):
-            base = jnp.zeros((bsz, lv) + x.shape[2:], x.dtype)
-            return lax.dynamic_update_slice(base, x, (0, p) + (0,) * (x.ndim - 2))
+    def place(x):
+        return place_at(x, p, lv)
 
     idx = jnp.arange(lv)
     masked = not (isinstance(p, int) and p == 0 and lv == t_len)
@@ -584,10 +639,7 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
 
     def unchunk(y):
         y = jnp.moveaxis(y, 0, 2)  # [B, H, N, c, ...]
-        y = from_chunks(y, lv)
-        if isinstance(p, int):
-            return y[:, p:p + t_len]
-        return lax.dynamic_slice_in_dim(y, p, t_len, axis=1)
+        return take_at(from_chunks(y, lv), p, t_len)
 
     o = unchunk(o)
     if want_loss:
@@ -601,10 +653,18 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
 # Public API
 
 
+def _in_dtype(spec: _Spec, dt) -> _Spec:
+    """The spec with its LayerNorm affine in the dtype the memory learns in."""
+    if spec.norm is None:
+        return spec
+    return dataclasses.replace(spec, norm=tuple(x.astype(dt) for x in spec.norm))
+
+
 def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, residual: bool = False,
                   activation: str = "gelu", objective: str = "l2", optimizer: str = "momentum",
                   minibatch: int = 1, initial_state=None, impl: str = "chunked",
-                  return_inner_loss: bool = False, return_stream_state: bool = False):
+                  return_inner_loss: bool = False, return_stream_state: bool = False,
+                  bias: bool = False, layer_norm=None, remat_group: int | None = None, precision=HIGHEST):
     """Run the neural memory over a sequence.
 
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; lr (η), momentum (μ), decay (α): [B, T, H].
@@ -613,11 +673,21 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
       `NeuralMemoryState` (resumes anywhere, including mid-mini-batch).
     activation, objective, optimizer: registry names (`ACTIVATIONS`, `objectives.OBJECTIVES`,
       `inner_optimizers.INNER_OPTIMIZERS`); unknown names raise ValueError listing the valid ones.
+    bias: every layer has a bias, stored as the last input row of its weight (`[.., d_in + 1, d_out]`).
+    layer_norm: `(scale, shift)` `[H, Dv]` (outer-loop parameters): f(x) = LN(z_L)·scale + shift
+      (+ x with `residual`), ε = 1e-6; with `bias` and `residual` this is TTT-MLP's inner model.
+    remat_group: mini-batches per rematerialised scan step of the chunked form (default: `SCAN_GROUP`
+      once there are 16 such groups, else 1).
+    precision: of every matmul (HIGHEST: float32 products on GPU/TPU too, whatever
+      `jax.default_matmul_precision` says; the optimizers' per-token steps always use HIGHEST).
     Returns `(o [B, T, H, Dv], (θ, U))`; with `return_stream_state` the state is a
     `NeuralMemoryState`; with `return_inner_loss` a third item `(loss_before, loss_after)`, each
     [B, T, H]: l_t at θ_{t-1} and at θ_t (the state just before and just after token t's write).
     """
-    spec = _make_spec(activation, residual, objective, optimizer, minibatch)
+    spec = _make_spec(activation, residual, objective, optimizer, minibatch, precision=precision, bias=bias,
+                      layer_norm=layer_norm)
+    if remat_group is not None:
+        check_positive("remat_group", remat_group)
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
     bsz, t_len, heads, dk, dv = check_qkv(q, k, v)
@@ -634,17 +704,18 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
     if initial_state is None:
         if weights0 is None:
             raise ValueError("pass weights0 or initial_state")
-        _check_weights(weights0, dk, dv, spec.residual, bsz)
+        _check_weights(weights0, dk, dv, spec, bsz)
         state, resumable = init_state(weights0, bsz), False
     else:
         state, resumable = _as_stream_state(initial_state, bsz)
-        _check_weights(state.theta, dk, dv, spec.residual, bsz)
+        _check_weights(state.theta, dk, dv, spec, bsz)
     _check_pos(state.pos, spec.minibatch)
     if resumable and _static_int(state.pos) == 0:
         resumable = False
     # The memory learns in (at least) float32 whatever the activations' dtype; o comes back in q's.
     out_dtype, dt = q.dtype, jnp.promote_types(q.dtype, jnp.float32)
     q, k, v = (x.astype(dt) for x in (q, k, v))
+    spec = _in_dtype(spec, dt)
     state = jax.tree_util.tree_map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
     eta = lr.astype(dt)
     mu = None if momentum is None else momentum.astype(dt)
@@ -659,7 +730,8 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
         o, state, losses = _online(spec, state, q, k, v, eta, mu, a, want_loss=return_inner_loss)
     else:
         o, state, losses = _chunked(spec, state, q, k, v, eta, mu, a, resumable=resumable,
-                                    want_loss=return_inner_loss, want_start=return_stream_state)
+                                    want_loss=return_inner_loss, want_start=return_stream_state,
+                                    remat_group=remat_group)
     o = o.astype(out_dtype)
     out_state = state if return_stream_state else (state.theta, state.U)
     if return_inner_loss:
@@ -669,16 +741,19 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
 
 def neural_memory_step(q, k, v, *, lr, momentum=None, decay=None, state: NeuralMemoryState,
                        residual: bool = False, activation: str = "gelu", objective: str = "l2",
-                       optimizer: str = "momentum", minibatch: int = 1, return_inner_loss: bool = False):
+                       optimizer: str = "momentum", minibatch: int = 1, return_inner_loss: bool = False,
+                       bias: bool = False, layer_norm=None, precision=HIGHEST):
     """Decode one token: q, k [B, H, Dk], v [B, H, Dv], gates [B, H]; `state` from `init_state` or
     `neural_memory(..., return_stream_state=True)`. Returns `(o [B, H, Dv], state)` (plus
     `(loss_before, loss_after)` [B, H] with `return_inner_loss`); steps equal the full sequence."""
-    spec = _make_spec(activation, residual, objective, optimizer, minibatch)
+    spec = _make_spec(activation, residual, objective, optimizer, minibatch, precision=precision, bias=bias,
+                      layer_norm=layer_norm)
     if momentum is not None and not spec.opt.momentum:
         raise ValueError(f"optimizer {spec.opt.name!r} takes no momentum gate")
     _check_pos(state.pos, spec.minibatch)
     out_dtype, dt = q.dtype, jnp.promote_types(q.dtype, jnp.float32)
     q, k, v = (x.astype(dt) for x in (q, k, v))
+    spec = _in_dtype(spec, dt)
     eta, mu, a = _default_gates(spec, lr.astype(dt), None if momentum is None else momentum.astype(dt),
                                 None if decay is None else (1.0 - decay).astype(dt))
     cast = lambda ws: tuple(w.astype(dt) for w in ws)  # noqa: E731

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nlearn.memory.chunking import check_gate, check_positive, check_qkv, pad_time
+from nlearn.memory.chunking import check_gate, check_positive, check_qkv, check_step, pad_time, place_at, take_at
 from nlearn.memory.linear_attention import HIGHEST, check_impl, check_state_shape
 
 LN_EPS = 1e-6
@@ -64,7 +64,7 @@ def ttt_linear_init_state(W0, b0, batch_size: int) -> TTTState:
     return TTTState(w, b, w, b, jnp.zeros((), jnp.int32))
 
 
-def _ln_parts(z):
+def ln_parts(z):
     """LayerNorm over the last axis without affine: `(ẑ, 1/σ)`."""
     mu = jnp.mean(z, axis=-1, keepdims=True)
     zc = z - mu
@@ -74,14 +74,14 @@ def _ln_parts(z):
 
 def _inner_grad(z, k, v, scale, bias):
     """`∇_Z ½‖k + LN(Z) − v‖²` per row: the LayerNorm backward of the residual error."""
-    zh, rstd = _ln_parts(z)
+    zh, rstd = ln_parts(z)
     gzh = (k + scale * zh + bias - v) * scale
     return rstd * (gzh - jnp.mean(gzh, axis=-1, keepdims=True) - zh * jnp.mean(gzh * zh, axis=-1, keepdims=True))
 
 
 def _read(x, z, scale, bias):
     """`f = x + LN(z)` with the per-head affine."""
-    zh, _ = _ln_parts(z)
+    zh, _ = ln_parts(z)
     return x + scale * zh + bias
 
 
@@ -287,12 +287,7 @@ def _ttt_dual(q, k, v, eta, state: TTTState, offset_static: bool, minibatch: int
         # mini-batch already wrote in the previous call).
         offset = state.pos
         length = mb + -(-max(t - 1, 1) // span) * span
-
-        def place(x):
-            buf = jnp.zeros((bsz, length) + x.shape[2:], x.dtype)
-            return jax.lax.dynamic_update_slice_in_dim(buf, x, offset, axis=1)
-
-        placed = [place(x) for x in (q, k, v, eta)]
+        placed = [place_at(x, offset, length) for x in (q, k, v, eta)]
         q0, k0, v0 = (jnp.moveaxis(x[:, :mb], 1, 2) for x in placed[:3])
         eta0 = jnp.moveaxis(placed[3][:, :mb], 1, 2)
         zk0 = ein("bhcd,bhde->bhce", k0, state.W_start) + state.b_start[..., None, :]
@@ -310,7 +305,7 @@ def _ttt_dual(q, k, v, eta, state: TTTState, offset_static: bool, minibatch: int
         zbar = jnp.concatenate([jnp.moveaxis(first[0], 2, 1), zbar], axis=1)
         g = jnp.concatenate([jnp.moveaxis(first[1], 2, 1), g], axis=1)
         k_time, eta_time = placed[1], placed[3]
-        zbar = jax.lax.dynamic_slice_in_dim(zbar, offset, t, axis=1)
+        zbar = take_at(zbar, offset, t)
     o = _read(q, zbar[:, :t], scale, bias)
     # The next call's W_start: where the mini-batch holding the last token began. Later
     # mini-batches are padding and change nothing, so it is W_fin with that mini-batch's update
@@ -361,6 +356,28 @@ def _check_ln(ln_scale, ln_bias, h: int, d: int) -> None:
             raise ValueError(f"{name} must have shape [H, D] = {(h, d)}, got shape {tuple(x.shape)}")
 
 
+def check_ttt_args(op: str, q, k, v, eta, *, minibatch, remat_group, impl, impls, ln_scale, ln_bias):
+    """The argument checks the TTT ops share; returns (B, T, H, D)."""
+    bsz, t, h, d, dv = check_qkv(q, k, v)
+    if dv != d:
+        raise ValueError(f"{op} needs v with the width of k (residual), got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_gate("eta", eta, bsz, t, h)
+    check_positive("minibatch", minibatch)
+    check_positive("remat_group", remat_group)
+    check_impl(impl, impls)
+    _check_ln(ln_scale, ln_bias, h, d)
+    return bsz, t, h, d
+
+
+def check_ttt_step_args(q_t, k_t, v_t, eta_t, *, minibatch, ln_scale, ln_bias) -> None:
+    """The argument checks of the TTT decode steps: `[B, H, D]` rows (v as wide as k), `eta_t [B, H]`."""
+    check_step(q_t, k_t, v_t, (("eta_t", eta_t),))
+    if v_t.shape != k_t.shape:
+        raise ValueError(f"v_t must have the shape of k_t {tuple(k_t.shape)} (residual), got {tuple(v_t.shape)}")
+    check_positive("minibatch", minibatch)
+    _check_ln(ln_scale, ln_bias, *k_t.shape[1:])
+
+
 def _check_state(state, bsz: int, h: int, d: int) -> TTTState:
     if not isinstance(state, TTTState):
         raise ValueError(f"initial_state must be a TTTState, got {type(state).__name__}")
@@ -406,16 +423,8 @@ def ttt_linear(
 
     Returns: `(o [B,T,H,D] in q's dtype, TTTState)`.
     """
-    bsz, t, h, d, dv = check_qkv(q, k, v)
-    if dv != d:
-        raise ValueError(
-            f"ttt_linear needs v with the width of k (residual), got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    check_gate("eta", eta, bsz, t, h)
-    check_positive("minibatch", minibatch)
-    check_positive("remat_group", remat_group)
-    check_impl(impl, TTT_IMPLS + ("chunked",))
-    _check_ln(ln_scale, ln_bias, h, d)
+    bsz, t, h, d = check_ttt_args("ttt_linear", q, k, v, eta, minibatch=minibatch, remat_group=remat_group, impl=impl,
+                                  impls=TTT_IMPLS + ("chunked",), ln_scale=ln_scale, ln_bias=ln_bias)
     if initial_state is None:
         if W0 is None or b0 is None:
             raise ValueError("ttt_linear needs W0 and b0 when initial_state is None")
@@ -442,16 +451,8 @@ def ttt_linear_step(q_t, k_t, v_t, eta_t, state: TTTState, *, ln_scale, ln_bias,
     Keeps the mini-batch schedule (gradients at `state.W_start`, reads with the accumulated
     prefix), so stepping through a sequence reproduces `ttt_linear` exactly.
     """
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have shape [B, H, D], got shape {tuple(x.shape)}")
-    if not (q_t.shape == k_t.shape == v_t.shape):
-        raise ValueError(f"q_t, k_t, v_t must match, got {tuple(q_t.shape)}, {tuple(k_t.shape)}, {tuple(v_t.shape)}")
+    check_ttt_step_args(q_t, k_t, v_t, eta_t, minibatch=minibatch, ln_scale=ln_scale, ln_bias=ln_bias)
     bsz, h, d = k_t.shape
-    if tuple(eta_t.shape) != (bsz, h):
-        raise ValueError(f"eta_t must have shape [B, H] = {(bsz, h)}, got shape {tuple(eta_t.shape)}")
-    check_positive("minibatch", minibatch)
-    _check_ln(ln_scale, ln_bias, h, d)
     state = _check_state(state, bsz, h, d)
     f32 = [x.astype(jnp.float32) for x in (q_t, k_t, v_t, eta_t)]
     o, state = _token_update(*f32, state, minibatch, ln_scale.astype(jnp.float32), ln_bias.astype(jnp.float32))

@@ -29,9 +29,9 @@ def _gate(x):
 
 
 def test_registries_and_unknown_names():
-    assert {"momentum", "sgd", "dgd"} <= set(INNER_OPTIMIZERS)
+    assert {"momentum", "sgd", "dgd", "dgd_momentum"} <= set(INNER_OPTIMIZERS)
     assert {"l2", "dot", "huber"} <= set(OBJECTIVES)
-    with pytest.raises(ValueError, match=r"\['dgd', 'momentum', 'sgd'\]"):
+    with pytest.raises(ValueError, match=r"\['dgd', 'dgd_momentum', 'momentum', 'sgd'\]"):
         get_inner_optimizer("adamw")
     with pytest.raises(ValueError, match=r"\['dot', 'huber', 'l2'\]"):
         get_objective("cosine")
@@ -57,17 +57,61 @@ def test_sgd_step_leaves_momentum_alone():
     np.testing.assert_allclose(float(u.ravel()[0]), 0.2, atol=0)
 
 
-def test_dgd_step_formula():
-    """W ← (a I − η xᵀx) W + U with U = μ U − η g (row-vector layer x W)."""
+# The update rules written out independently (float64 NumPy, one layer of a [d_in, d_out] memory):
+# name -> (W', U') from W, U, gradient g, layer input x and the gates η, μ, a = 1 − α.
+def _np_momentum(w, u, g, x, eta, mu, a):
+    u = mu * u - eta * g
+    return a * w + u, u
+
+
+def _np_sgd(w, u, g, x, eta, mu, a):
+    return a * w - eta * g, u
+
+
+def _np_dgd(w, u, g, x, eta, mu, a):  # Nested Learning eq. 88 for row vectors: no momentum buffer
+    return (a * np.eye(len(x)) - eta * np.outer(x, x)) @ w - eta * g, u
+
+
+def _np_dgd_momentum(w, u, g, x, eta, mu, a):
+    u = mu * u - eta * g
+    return (a * np.eye(len(x)) - eta * np.outer(x, x)) @ w + u, u
+
+
+NP_STEPS = {"momentum": _np_momentum, "sgd": _np_sgd, "dgd": _np_dgd, "dgd_momentum": _np_dgd_momentum}
+FLAGS = {"momentum": (True, False), "sgd": (False, False), "dgd": (False, True), "dgd_momentum": (True, True)}
+
+
+def _check_step(step, np_step):
+    """Two layers, two heads, per-head gates: the jax step against the float64 formula."""
     rng = np.random.default_rng(0)
-    w, u, g = (rng.normal(size=(1, 1, 3, 2)).astype(np.float32) for _ in range(3))
-    x = rng.normal(size=(1, 1, 3)).astype(np.float32)
-    eta, mu, a = 0.3, 0.5, 0.9
-    (w_new,), (u_new,) = INNER_OPTIMIZERS["dgd"].step((w,), (u,), (g,), (x,), _gate(eta), _gate(mu), _gate(a))
-    u_ref = mu * u[0, 0] - eta * g[0, 0]
-    w_ref = (a * np.eye(3) - eta * np.outer(x[0, 0], x[0, 0])) @ w[0, 0] + u_ref
-    np.testing.assert_allclose(u_new[0, 0], u_ref, rtol=1e-6)
-    np.testing.assert_allclose(w_new[0, 0], w_ref, rtol=1e-5, atol=1e-6)
+    shapes = ((1, 2, 3, 5), (1, 2, 5, 2))
+    w, u, g = ([rng.normal(size=s) for s in shapes] for _ in range(3))
+    x = [rng.normal(size=s[:-1]) for s in shapes]
+    eta, mu, a = (rng.uniform(lo, hi, size=(1, 2, 1, 1)) for lo, hi in ((0.1, 0.4), (0.3, 0.9), (0.8, 1.0)))
+    f32 = lambda xs: tuple(jnp.asarray(z, jnp.float32) for z in xs)  # noqa: E731
+    w_new, u_new = step(f32(w), f32(u), f32(g), f32(x), *f32((eta, mu, a)))
+    for i in range(2):
+        for h in range(2):
+            gates = (eta[0, h, 0, 0], mu[0, h, 0, 0], a[0, h, 0, 0])
+            w_ref, u_ref = np_step(w[i][0, h], u[i][0, h], g[i][0, h], x[i][0, h], *gates)
+            np.testing.assert_allclose(w_new[i][0, h], w_ref, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(u_new[i][0, h], u_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(NP_STEPS))
+def test_registry_steps_match_the_written_out_formulas(name):
+    """Each registered optimizer's step and flags against its formula; dgd (eq. 88) has no momentum."""
+    opt = INNER_OPTIMIZERS[name]
+    assert set(INNER_OPTIMIZERS) == set(NP_STEPS)
+    assert (opt.momentum, opt.precondition) == FLAGS[name]
+    _check_step(opt.step, NP_STEPS[name])
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_linear_optimizer_flags_give_the_formulas(name):
+    """`linear_optimizer`'s two flags build each of the four update rules."""
+    momentum, precondition = FLAGS[name]
+    _check_step(linear_optimizer("mine", momentum=momentum, precondition=precondition).step, NP_STEPS[name])
 
 
 def test_objective_gradients():
@@ -116,11 +160,3 @@ def test_plug_in_an_objective_callable():
     o_fn, _ = _nm(q, k, v, lr, w, objective=half_squared, minibatch=4)
     o_l2, _ = _nm(q, k, v, lr, w, objective="l2", minibatch=4)
     np.testing.assert_allclose(o_fn, o_l2, rtol=0, atol=1e-6)
-
-
-def test_linear_optimizer_flags_reproduce_the_registry():
-    q, k, v, lr, w = _inputs(seed=2)
-    rebuilt = linear_optimizer("dgd_again", momentum=True, precondition=True)
-    o_a, _ = _nm(q, k, v, lr, w, optimizer="dgd", minibatch=4)
-    o_b, _ = _nm(q, k, v, lr, w, optimizer=rebuilt, minibatch=4)
-    np.testing.assert_allclose(o_a, o_b, rtol=0, atol=1e-6)

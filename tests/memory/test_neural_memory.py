@@ -117,12 +117,12 @@ def np_reference(q, k, v, lr, mu, alpha, weights0, *, residual=False, activation
                 lb[bi, t, hi] = _loss(objective, forward(th, kt)[0], vt)
                 new = []
                 for i in range(nl):
-                    if optimizer == "sgd":
-                        new.append(a * th[i] - eta * grads[i])
-                        continue
-                    uu[i] = m * uu[i] - eta * grads[i]
-                    w = a * th[i] + uu[i]
-                    if optimizer == "dgd":
+                    if optimizer in ("sgd", "dgd"):
+                        w = a * th[i] - eta * grads[i]
+                    else:
+                        uu[i] = m * uu[i] - eta * grads[i]
+                        w = a * th[i] + uu[i]
+                    if optimizer.startswith("dgd"):
                         w = w - eta * np.outer(hs[i], hs[i] @ th[i])
                     new.append(w)
                 th = new
@@ -171,8 +171,8 @@ GRID = [
     (3, "sgd", "l2", 8, False, False, False, "silu"),
     (1, "sgd", "huber", 8, False, True, False, "gelu"),
     (2, "dgd", "l2", 8, False, True, False, "gelu"),
-    (1, "dgd", "dot", 8, True, True, False, "gelu"),
-    (2, "dgd", "huber", 1, True, False, True, "tanh"),
+    (1, "dgd_momentum", "dot", 8, True, True, False, "gelu"),
+    (2, "dgd_momentum", "huber", 1, True, False, True, "tanh"),
 ]
 ARGN = ("q", "k", "v", "lr", "mu", "alpha", "weights0")
 
@@ -236,7 +236,7 @@ def test_chunked_matches_recurrent_and_numpy(cfg):
     kw, use_mu, use_decay = _config_kwargs(cfg)
     q, k, v, lr, mu, alpha, w = _inputs(cfg)
     o, (theta, U), lb, la = np_reference(q, k, v, lr, mu if use_mu else None, alpha if use_decay else None, w, **kw)
-    ref = (o, theta, U if cfg[1] != "sgd" else aux_r[2], lb, la)
+    ref = (o, theta, U if cfg[1] not in ("sgd", "dgd") else aux_r[2], lb, la)
     for name, a, b, c in zip(("o", "theta", "U", "loss_before", "loss_after"), aux_c, aux_r, ref):
         for x, y, z in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
             assert rel_err(x, y) <= TOL, name
@@ -323,7 +323,7 @@ def _gates(lr, mu, alpha, s=slice(None)):
 def test_causal():
     q, k, v, lr, mu, alpha, w = make_inputs(seed=11, depth=2)
     run = jax.jit(lambda *a: neural_memory(*a[:3], lr=a[3], momentum=a[4], decay=a[5], weights0=w,
-                                           minibatch=8, optimizer="dgd")[0])
+                                           minibatch=8, optimizer="dgd_momentum")[0])
     run = run.lower(q, k, v, lr, mu, alpha).compile(FAST_COMPILE)
     o = run(q, k, v, lr, mu, alpha)
     p = 13  # inside a mini-batch
@@ -403,7 +403,7 @@ def test_stream_state_with_known_position():
     np.testing.assert_allclose(theta2[0], theta[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["momentum", "dgd"])
+@pytest.mark.parametrize("optimizer", ["momentum", "dgd_momentum"])
 def test_decode_steps_equal_full_sequence(optimizer):
     t_len = 13
     q, k, v, lr, mu, alpha, w = make_inputs(seed=14, depth=2, t_len=t_len)
@@ -523,7 +523,7 @@ def test_seed_titans_step(impl):
 # Argument errors and memory
 
 @pytest.mark.parametrize("kw, words", [
-    ({"optimizer": "adam"}, ["dgd", "momentum", "sgd"]),
+    ({"optimizer": "adam"}, ["dgd", "dgd_momentum", "momentum", "sgd"]),
     ({"objective": "cosine"}, ["dot", "huber", "l2"]),
     ({"activation": "swish"}, ["gelu", "silu"]),
     ({"impl": "fast"}, ["chunked", "recurrent"]),

@@ -268,7 +268,7 @@ def test_value_errors():
         (lambda: ttt_mlp(q, q, q, eta, **{**w, "b2_0": jnp.zeros((5, 3, 4))}, **ln), "b2_0", "(5, 3, 4)"),
         (lambda: ttt_mlp(q, q, q, eta, **w, **{**ln, "ln_scale": jnp.ones((4,))}), "ln_scale", "(4,)"),
         (lambda: ttt_mlp(q, q, q, eta, **w, **{**ln, "ln_bias": jnp.ones((3, 5))}), "ln_bias", "(3, 5)"),
-        (lambda: ttt_mlp(q, q, q, eta, W1_0=w["W1_0"], **ln), "W2_0", ""),
+        (lambda: ttt_mlp(q, q, q, eta, W1_0=w["W1_0"], **ln), "b1_0, W2_0, b2_0", "initial_state is None"),
         (lambda: ttt_mlp(q, q, q, eta, **ln, initial_state=state.weights), "initial_state", "TTTMLPWeights"),
         (lambda: ttt_mlp(q[:1], q[:1], q[:1], eta[:1], **ln, initial_state=state), "initial_state.weights.W1",
          "(2, 3, 4, 16)"),
