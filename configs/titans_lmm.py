@@ -1,7 +1,7 @@
 """Titans LMM: the neural long-term memory alone as the token mixer.
 
 Presets: tiny, 170m, 340m, 400m, 760m (Titans paper sizes). Ablate the inner learner with one
-override, e.g. --config.model.memory.optimizer=sgd|momentum|dgd, .objective=dot, .minibatch=4,
+override, e.g. --config.model.memory.optimizer=sgd|momentum|dgd|dgd_momentum, .objective=dot, .minibatch=4,
 .depth=3, .decay=False.
 """
 

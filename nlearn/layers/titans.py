@@ -20,32 +20,20 @@ from jax import lax
 from nlearn.layers.attention import Attention, masked_attention, with_prefix_mask
 from nlearn.layers.core import Dense, RMSNorm, head_dim
 from nlearn.layers.memory_mixer import NeuralMemoryMixer, l2_normalize
-from nlearn.memory.neural_memory import ACTIVATIONS, NeuralMemoryState
+from nlearn.memory.neural_memory import NeuralMemoryState, mlp_apply
 
 
 def mlp_read(theta, q_BTHD, *, activation: str = "gelu", residual: bool = False, precision=lax.Precision.HIGHEST):
     """Pure read `f(q; θ)` of the memory MLP (no write): θ a tuple of `[B, H, d_in, d_out]`,
-    `q [B, T, H, d]` -> `[B, T, H, d_out]`. The same MLP as `nlearn.memory.neural_memory`.
+    `q [B, T, H, d]` -> `[B, T, H, d_out]`; the memory op's own `mlp_apply` in token-major layout.
     `precision` of the matmuls: HIGHEST by default, so a float32 read stays float32 where the
     backend would otherwise round matmul inputs (TF32 / bf16 passes on GPU and TPU)."""
-    act = ACTIVATIONS[activation]
-    x = jnp.swapaxes(q_BTHD, 1, 2)  # [B, H, T, d]
-    h = x
-    for i, w in enumerate(theta):
-        h = jnp.matmul(h, w.astype(h.dtype), precision=precision)
-        if i < len(theta) - 1:
-            h = act(h)
-    if residual:
-        h = h + x
-    return jnp.swapaxes(h, 1, 2)
-
-
-def _head_dim(cfg) -> int:
-    return head_dim(cfg)
+    o = mlp_apply(theta, jnp.swapaxes(q_BTHD, 1, 2), activation=activation, residual=residual, precision=precision)
+    return jnp.swapaxes(o, 1, 2)
 
 
 def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> Attention:
-    return Attention(cfg.d_model, cfg.num_heads, _head_dim(cfg), window=window,
+    return Attention(cfg.d_model, cfg.num_heads, head_dim(cfg), window=window,
                      num_persistent=cfg.num_persistent, rope_theta=cfg.rope_theta, std=cfg.init_std,
                      out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), out_proj=out_proj,
                      conv_size=cfg.attn_conv_size, rngs=rngs)
@@ -122,7 +110,7 @@ class MACMixer(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.segment_len = cfg.segment_len
-        self.num_heads, self.head_dim = cfg.num_heads, _head_dim(cfg)
+        self.num_heads, self.head_dim = cfg.num_heads, head_dim(cfg)
         width = self.num_heads * self.head_dim
         mem = cfg.memory
         self.read_options = dict(activation=mem.activation, residual=mem.residual)
@@ -330,7 +318,7 @@ class MAGMixer(nnx.Module):
     learned, input-independent prefix for the LMM (the same holds for MAL)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.num_heads, self.head_dim = cfg.num_heads, _head_dim(cfg)
+        self.num_heads, self.head_dim = cfg.num_heads, head_dim(cfg)
         width = self.num_heads * self.head_dim
         self.combine = mag_output(cfg)
         self.attn = _attention(cfg, window=cfg.window, out_proj=False, rngs=rngs)
