@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nlearn.memory.chunking import check_positive
+from nlearn.memory.delta import unit_lower_inverse
 from nlearn.memory.neural_memory import ACTIVATIONS, _sqrt_scan
 
 HIGHEST = lax.Precision.HIGHEST
@@ -247,6 +248,195 @@ def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q):
 
 
 # ----------------------------------------------------------------------------------------------
+# Chunked form: per chunk, generation and errors in parallel, one WY pass per layer and grid
+
+
+class _Decay(NamedTuple):
+    """In-chunk retention products from G_t = Σ_{m≤t} log retain_m: e^G [.., C], Γ_tj = e^{G_t − G_j}
+    (j ≤ t, else 0) [.., C, C], tail_j = e^{G_C − G_j} and e^{G_C} [.., 1, 1]; the read matrices are Γ
+    (after the write) or Γ_tj / retain_t on j < t (before it), with the matching e^G."""
+
+    tail: jax.Array
+    last: jax.Array
+    read_eg: jax.Array
+    read_gamma: jax.Array
+    gamma: jax.Array
+    eg: jax.Array
+
+
+def _decay(log_retain, read: str) -> _Decay:
+    c = log_retain.shape[-1]
+    idx = jnp.arange(c)
+    g = jnp.cumsum(log_retain, axis=-1)
+    diff = g[..., :, None] - g[..., None, :]
+    incl = idx[:, None] >= idx[None, :]
+    gamma = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)
+    eg = jnp.exp(g)
+    read_eg, read_gamma = eg, gamma
+    if read == "before_write":
+        strict = idx[:, None] > idx[None, :]
+        prev = diff - log_retain[..., :, None]
+        read_gamma = jnp.where(strict, jnp.exp(jnp.where(strict, prev, 0.0)), 0.0)
+        read_eg = jnp.exp(g - log_retain)
+    return _Decay(jnp.exp(g[..., -1:] - g), jnp.exp(g[..., -1])[..., None, None], read_eg, read_gamma, gamma, eg)
+
+
+def _decayed_memory(spec: _Spec, dec: _Decay, s, keys, u, y=None):
+    """The linear recurrence S_t = retain_t S_{t−1} + key_tᵀ u_t over a chunk entering with S = s:
+    the chunk-end state and, for y [.., C, d], the per-token reads y_t S_t (or y_t S_{t−1})."""
+    s_end = dec.last * s + _mm(spec, jnp.swapaxes(keys * dec.tail[..., None], -1, -2), u)
+    if y is None:
+        return s_end, None
+    scores = _mm(spec, y, jnp.swapaxes(keys, -1, -2)) * dec.read_gamma
+    return s_end, dec.read_eg[..., None] * _mm(spec, y, s) + _mm(spec, scores, u)
+
+
+def _input_values(spec: _Spec, g, dec: _Decay, s, delta):
+    """u_t of the input layer written as S_t = retain_t S_{t−1} + k_tᵀ u_t: −lr_t δ_t without DGD; with
+    DGD the gated delta rule (a = retain, β = lr / retain, values −retain·δ) solved in WY form,
+    u = (I + strict(β K Kᵀ ⊙ Γ))⁻¹ (−lr δ − (β e^G ⊙ K) S)."""
+    rhs = -g["lr"][..., None] * delta
+    if not spec.dgd:
+        return rhs
+    k, beta = g["k"], g["beta"]
+    kk = _mm(spec, k, jnp.swapaxes(k, -1, -2))
+    c = kk.shape[-1]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    tinv = unit_lower_inverse(jnp.where(strict, beta[..., :, None] * kk * dec.gamma, 0.0), spec.precision)
+    return _mm(spec, tinv, rhs - _mm(spec, (beta * dec.eg)[..., None] * k, s))
+
+
+def _write_chunk(spec: _Spec, g, dec, names, start, cur, lr_bias, retain_bias, q=None):
+    """Chunk-end weights of `names` from the errors at their chunk-start states (the DGD solve shared
+    by all their input layers) and, with q, the memory's read o_t = q_t + act(q_t W_in) W_out at the
+    `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention."""
+    pieces = {n: _errors(spec, n, start[n], g["k"], g["v"], _bias(n, lr_bias, retain_bias)) for n in names}
+    u_in = _input_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1),
+                         jnp.concatenate([pieces[n][2] for n in names], axis=-1))
+    new, out, col = {}, None, 0
+    for n in names:
+        h, e, _ = pieces[n]
+        width = cur[n][0].shape[-1]
+        reads = n == "memory" and q is not None
+        per_token = reads and spec.read != "chunk_start"
+        w_in, zq = _decayed_memory(spec, dec, cur[n][0], g["k"], u_in[..., col:col + width], q if per_token else None)
+        col += width
+        hq = None
+        if reads:
+            hq = spec.act(zq if per_token else _mm(spec, q, start[n][0]))
+        w_out, yo = _decayed_memory(spec, dec, cur[n][1], h, -g["lr"][..., None] * e, hq if per_token else None)
+        if reads:
+            out = q + (yo if per_token else _mm(spec, hq, start[n][1]))
+        new[n] = (w_in, w_out)
+    return new, out
+
+
+def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
+    """One period of L = max(chunk sizes) tokens: the generators' chunks, then the memory's.
+
+    carry: (current weights, the chunk-start weights of the last chunk holding a live token, or None).
+    xs: x, q [B, H, L, D] and the live-token mask [L] (None: all live). resume: (stored chunk-start
+    weights, stream position) for the first block of a stream resumed inside a chunk."""
+    weights, last_start = carry
+    x, q, live = xs
+    weights, last_start = dict(weights), None if last_start is None else dict(last_start)
+
+    def starts(names, j, size):
+        out = {n: weights[n] for n in names}
+        if resume is not None:
+            stored, p = resume
+            inside = (p // size == j) & (p % size != 0)
+            out = {n: tuple(jnp.where(inside, s_, c_) for s_, c_ in zip(stored[n], out[n])) for n in names}
+        return out
+
+    def record(names, start, sl):
+        if last_start is not None:
+            any_live = True if live is None else jnp.any(live[sl])
+            for n in names:
+                last_start[n] = tuple(jnp.where(any_live, s_, o_) for s_, o_ in zip(start[n], last_start[n]))
+
+    gens = [n for n in spec.names if n != "memory"]
+    size = spec.chunk_other
+    parts = []
+    for j in range(spec.period // size):
+        sl = slice(j * size, (j + 1) * size)
+        start = starts(gens, j, size)
+        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
+        if live is not None:
+            on = live[sl]
+            g.update(lr=jnp.where(on, g["lr"], 0.0), beta=jnp.where(on, g["beta"], 0.0),
+                     log_retain=jnp.where(on, g["log_retain"], 0.0))
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, lr_bias, retain_bias)
+        weights.update(new)
+        record(gens, start, sl)
+        parts.append(g)
+    gen = {key: jnp.concatenate([p_[key] for p_ in parts], axis=2) for key in ("k", "v", "q", "lr", "beta",
+                                                                              "log_retain")}
+    size = spec.chunk_memory
+    outs = []
+    for i in range(spec.period // size):
+        sl = slice(i * size, (i + 1) * size)
+        g = {key: val[:, :, sl] for key, val in gen.items()}
+        start = starts(["memory"], i, size)
+        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, lr_bias,
+                              retain_bias, q=g["q"])
+        weights.update(new)
+        record(["memory"], start, sl)
+        outs.append(o)
+    return (weights, last_start), jnp.concatenate(outs, axis=2)
+
+
+def _static_int(x):
+    return None if isinstance(x, jax.core.Tracer) else int(x)
+
+
+def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool):
+    """Blocks of L = max(chunk sizes) tokens through a rematerialised `lax.scan`; the stream's
+    position p puts token 0 at index p of a timeline of whole blocks whose other tokens write nothing."""
+    bsz, t_len, heads, dim = x.shape
+    size = spec.period
+    p = _static_int(state.pos)
+    if p is not None:
+        p %= size
+        n = -(-(p + t_len) // size)
+
+        def place(z):
+            return jnp.pad(z, [(0, 0), (p, n * size - p - t_len), (0, 0), (0, 0)])
+    else:
+        p = state.pos % size
+        n = -(-(t_len + size - 1) // size)
+
+        def place(z):
+            return lax.dynamic_update_slice(jnp.zeros((bsz, n * size, heads, dim), z.dtype), z, (0, p, 0, 0))
+
+    def blocks(z):  # [B, n·L, H, D] -> [n, B, H, L, D]
+        return jnp.moveaxis(place(z).reshape(bsz, n, size, heads, dim), (1, 3), (0, 2))
+
+    idx = jnp.arange(n * size).reshape(n, size)
+    masked = not (isinstance(p, int) and p == 0 and n * size == t_len)
+    live = ((idx >= p) & (idx < p + t_len)) if masked else None
+    xs = (blocks(x), blocks(q), live)
+    carry = (state.weights, dict(state.start) if want_start else None)
+    tmap = jax.tree_util.tree_map
+    outs = []
+    first = 0
+    if not (isinstance(p, int) and p == 0):
+        carry, o0 = _block(spec, lr_bias, retain_bias, carry, tmap(lambda z: z[0], xs), resume=(state.start, p))
+        outs.append(o0[None])
+        first = 1
+    if n > first:
+        step = jax.checkpoint(lambda c, z: _block(spec, lr_bias, retain_bias, c, z))
+        carry, o = lax.scan(step, carry, tmap(lambda z: z[first:], xs))
+        outs.append(o)
+    o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [n, B, H, L, D]
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(bsz, n * size, heads, dim)
+    o = o[:, p:p + t_len] if isinstance(p, int) else lax.dynamic_slice_in_dim(o, p, t_len, axis=1)
+    weights, last_start = carry
+    pos = ((state.pos + t_len) % size).astype(jnp.int32)
+    return o, SelfRefTitansState(weights, last_start if want_start else state.start, pos)
+
+
+# ----------------------------------------------------------------------------------------------
 # Public API
 
 
@@ -279,8 +469,10 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     state = _cast_state(state, dt)
     if t_len == 0:
         o = jnp.zeros(x.shape, dt)
-    else:  # the chunked form is not written yet: both impls run the token-by-token twin
+    elif impl == "recurrent":
         o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q)
+    else:
+        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state)
     o = o.astype(out_dtype)
     return o, (state if return_stream_state else state.weights)
 
