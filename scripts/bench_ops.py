@@ -19,6 +19,8 @@ token (Dk = Dv = D, C = chunk size, b = TTT mini-batch); fwd+bwd counts 3x forwa
   softmax attention  2·T·D per token on average      (causal half of Q Kᵀ and P V)
   neural_memory      Σ_layers (10·i·o + 2·b·(i+o)) + Σ_{layers>1} 2·i·o   (i→o per layer, F = 4D hidden:
                      keys, reads of W and U, both updates, 2 tril products; backprop of the errors)
+  self_referential   see `_selfref_flops`: 4 generator MLPs on x, 5 memories' errors at k and v, one shared
+                     DGD solve, chunk-end writes, the memory's per-token reads (hidden 64, chunks 16 / 64)
 
 To add an op (e.g. `neural_memory`), append a `Case` to `CASES`.
 """

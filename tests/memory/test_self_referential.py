@@ -32,6 +32,13 @@ def run_fast(fn, *args):
     return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
 
 
+def sr_fast(x, q, **kw):
+    """self_referential_titans through `run_fast` (array keyword arguments are traced, others static)."""
+    arrays = {k: v for k, v in kw.items() if k in ("weights0", "lr_bias", "retain_bias", "initial_state")}
+    static = {k: v for k, v in kw.items() if k not in arrays}
+    return run_fast(lambda x, q, arrays: self_referential_titans(x, q, **arrays, **static), x, q, arrays)
+
+
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -173,7 +180,7 @@ def test_recurrent_matches_reference(cfg):
 def test_step_equals_sequence_across_both_grids():
     cfg = dict(cm=2, co=4)
     x, q, w0, lb, rb = make_inputs(2, t_len=11)
-    o, _ = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, impl="recurrent", **op_kwargs(cfg))
+    o, _ = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, impl="recurrent", **op_kwargs(cfg))
     step = jax.jit(functools.partial(self_referential_titans_step, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg)))
     state = self_referential_init_state(w0, B)
     outs = []
@@ -225,7 +232,7 @@ def _objective(o, state, r_o, r_w):
 
 
 def _probe(cfg, seed=3):
-    x, q, w0, lb, rb = make_inputs(seed, adaptive_q=cfg.get("aq", False))
+    x, q, w0, lb, rb = make_inputs(seed, t_len=GRAD_T, adaptive_q=cfg.get("aq", False))
     rng = np.random.default_rng(seed + 100)
     r_o = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
     r_w = jax.tree_util.tree_map(lambda w: jnp.asarray(rng.normal(size=(B,) + w.shape), jnp.float32), w0)
@@ -263,6 +270,7 @@ def assert_grads_close(got, want, tol=TOL):
             assert rel_err(aa, bb) <= tol, f"grad {name}{jax.tree_util.keystr(path)}: {rel_err(aa, bb):.2e}"
 
 
+GRAD_T = 11  # divides no chunk size used here
 GRAD_CFGS = [
     dict(cm=2, co=4),  # memory chunks inside the generators' chunks
     dict(cm=4, co=2, read="before_write", dgd=False, st=False),
@@ -328,7 +336,7 @@ def test_chunk_size_one_is_eqs_86_to_88():
     read="before_write" reads M_memory,t−1(q_t): eqs. 86-88 token by token."""
     cfg = dict(cm=1, co=1, read="before_write")
     x, q, w0, lb, rb = make_inputs(6, t_len=9)
-    o = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))[0]
+    o = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))[0]
     with jax.enable_x64(True):
         o_ref = np.asarray(reference(*f64((x, q, w0, lb, rb)), **op_kwargs(cfg))[0])
     assert rel_err(np.asarray(o - q), o_ref - np.asarray(q)) <= TOL
@@ -374,7 +382,7 @@ def test_input_layer_is_gated_delta_rule():
     is gated_delta_rule(a = retain, β = lr/retain, values −retain·δ) from W_in,0."""
     cfg = dict(cm=32, co=32)
     x, q, w0, lb, rb = make_inputs(8)
-    _, state = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    _, state = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
     f, df = _act("gelu")
     deltas = {}
     with jax.enable_x64(True):
@@ -401,7 +409,7 @@ def test_memory_reduces_to_neural_memory():
     sgd, l2, mini-batch chunk_memory) on the generated k, v with lr and decay = 1 − retain."""
     cfg = dict(cm=4, co=32, st=False, dgd=False)
     x, q, w0, lb, rb = make_inputs(9)
-    o, state = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    o, state = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
     f, _ = _act("gelu")
     with jax.enable_x64(True):
         k, v, retain, lr = (np.asarray(a) for a in _fixed_generators(*f64((x, w0, lb, rb)), f))
@@ -418,8 +426,9 @@ def test_memory_reduces_to_neural_memory():
 def test_causal():
     cfg = dict(cm=2, co=4)
     x, q, w0, lb, rb = make_inputs(10)
-    run = jax.jit(lambda x, q: self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb,
-                                                       **op_kwargs(cfg))[0])
+    def run(x, q):
+        return sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))[0]
+
     o = run(x, q)
     cut = 10  # inside a chunk of both grids
     o2 = run(x.at[:, cut:].add(1.0), q.at[:, cut:].multiply(-1.0))
@@ -433,9 +442,9 @@ def test_stream_split_continues_exactly(split):
     cfg = dict(cm=2, co=4)
     x, q, w0, lb, rb = make_inputs(11)
     kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
-    o, state = self_referential_titans(x, q, weights0=w0, **kw)
-    o1, st1 = self_referential_titans(x[:, :split], q[:, :split], weights0=w0, return_stream_state=split % 4 != 0, **kw)
-    o2, st2 = self_referential_titans(x[:, split:], q[:, split:], initial_state=st1, **kw)
+    o, state = sr_fast(x, q, weights0=w0, **kw)
+    o1, st1 = sr_fast(x[:, :split], q[:, :split], weights0=w0, return_stream_state=split % 4 != 0, **kw)
+    o2, st2 = sr_fast(x[:, split:], q[:, split:], initial_state=st1, **kw)
     assert rel_err(jnp.concatenate([o1, o2], 1) - q, o - q) <= 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(st2), jax.tree_util.tree_leaves(state)):
         assert rel_err(a, b) <= 1e-5
@@ -445,8 +454,8 @@ def test_decode_after_chunked_prefill_equals_full_sequence():
     cfg = dict(cm=2, co=4)
     x, q, w0, lb, rb = make_inputs(12, t_len=13)
     kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
-    o, _ = self_referential_titans(x, q, weights0=w0, **kw)
-    _, state = self_referential_titans(x[:, :5], q[:, :5], weights0=w0, return_stream_state=True, **kw)
+    o, _ = sr_fast(x, q, weights0=w0, **kw)
+    _, state = sr_fast(x[:, :5], q[:, :5], weights0=w0, return_stream_state=True, **kw)
     step = jax.jit(functools.partial(self_referential_titans_step, **kw))
     outs = []
     for t in range(5, x.shape[1]):
