@@ -172,13 +172,9 @@ def _l2norm(z):
     return z * lax.rsqrt(jnp.sum(z * z, axis=-1, keepdims=True) + L2_EPS**2)
 
 
-def _apply(spec: _Spec, name: str, pair, z, bias=None):
-    """M_□(z) for z [B, H, C, D]: residual for vector memories, `+ b` for lr and retain."""
-    w_in, w_out = pair
-    y = _mm(spec, spec.act(_mm(spec, z, w_in)), w_out)
-    if name in SCALAR_MEMORIES:
-        return y[..., 0] + bias[:, None]
-    return z + y
+def _apply(spec: _Spec, pair, z):
+    """M_□(z) = z + act(z W_in) W_out of a residual memory (memory, q) for z [B, H, C, D]."""
+    return z + _mm(spec, spec.act(_mm(spec, z, pair[0])), pair[1])
 
 
 def _first_layers(spec: _Spec, names, weights, z):
@@ -203,7 +199,7 @@ def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias):
     log_retain = jax.nn.log_sigmoid(out["retain"])
     beta = spec.lr_max * jax.nn.sigmoid(out["lr"])
     retain = jnp.exp(log_retain)
-    q = _l2norm(_apply(spec, "q", start["q"], q_in)) if spec.adaptive_q else q_in
+    q = _l2norm(_apply(spec, start["q"], q_in)) if spec.adaptive_q else q_in
     return dict(k=k, v=out["v"], q=q, log_retain=log_retain, retain=retain, beta=beta, lr=beta * retain)
 
 
@@ -256,7 +252,7 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
         new[n] = (retain * w_in - lr * _mm(spec, k_col, step_in),
                   retain * w_out - lr * _mm(spec, jnp.swapaxes(h, -1, -2), e))
     read_state = {"after_write": new, "before_write": state.weights, "chunk_start": start}[spec.read]["memory"]
-    o = _apply(spec, "memory", read_state, g["q"])[..., 0, :]
+    o = _apply(spec, read_state, g["q"])[..., 0, :]
     return o, SelfRefTitansState(new, start, (pos + 1) % spec.period)
 
 
