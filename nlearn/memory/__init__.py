@@ -5,3 +5,9 @@ from nlearn.memory.linear_attention import LinearAttentionState, linear_attentio
 from nlearn.memory.ttt import TTTState, ttt_linear, ttt_linear_init_state, ttt_linear_step
 from nlearn.memory.ttt_mlp import TTTMLPState, TTTMLPWeights, ttt_mlp, ttt_mlp_init_state, ttt_mlp_step
 from nlearn.memory.neural_memory import NeuralMemoryState, neural_memory, neural_memory_init_state, neural_memory_step
+from nlearn.memory.self_referential import (
+    SelfRefTitansState,
+    self_referential_init_state,
+    self_referential_titans,
+    self_referential_titans_step,
+)

@@ -1,0 +1,504 @@
+"""Self-referential Titans (Nested Learning §8, eqs. 83-90; the contract is HOPE.md §1).
+
+Per batch row and head, memories □ ∈ {k, v, lr, retain, memory} (plus q with `adaptive_q`) are
+2-layer MLPs with fast weights (W_in [D, Dh], W_out [Dh, D_out]) and meta-learned initial states:
+
+    M_□(z) = z + act(z W_in) W_out            k, v, memory, q (D_out = D)
+    M_□(z) = act(z W_in) W_out + b_□          lr, retain (D_out = 1, b_□ a static per-head bias)
+
+The `memory` lives on the `chunk_memory` grid, every other memory on the `chunk_other` grid; θ^c_□
+is memory □'s state at the start of the token's chunk on its grid. Token t generates
+
+    k_t = l2norm(M_k[θ^c](x_t)),  v_t = M_v[θ^c](x_t),  retain_t = sigmoid(M_retain[θ^c](x_t)),
+    lr_t = lr_max · retain_t · sigmoid(M_lr[θ^c](x_t)),  q_t = l2norm(M_q[θ^c](q_in_t)) with adaptive_q,
+
+targets v̂_□,t = M_□[θ^c_□](v_t) (v_t itself for k, v, q, memory when `self_targets=False`), and
+writes every memory by one DGD step on ½‖M_□(k_t) − v̂_□,t‖² with the gradient at θ^c_□:
+
+    e = M_□[θ^c](k_t) − v̂,  h = act(k_t W^c_in),  δ = (e W^cᵀ_out) ⊙ act'(k_t W^c_in)
+    W_in,t  = (retain_t I − lr_t k_tᵀk_t) W_in,t−1 − lr_t k_tᵀ δ      (dgd=False: retain_t W_in,t−1 − …)
+    W_out,t = retain_t W_out,t−1 − lr_t hᵀ e
+
+and reads o_t = M_memory[θ](q_t) with θ the state after token t's write ("after_write"), before it
+("before_write", eq. 86) or at the chunk start ("chunk_start", eq. 90).
+
+`adaptive_q` (choice): the q memory adapts the layer's static query, q_t = l2norm(M_q[θ^c_q](q_in_t)),
+so the projection x W_q stays the input and the memory only learns a residual correction in context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nlearn.memory.chunking import check_positive
+from nlearn.memory.delta import unit_lower_inverse
+from nlearn.memory.neural_memory import ACTIVATIONS, _sqrt_scan
+
+HIGHEST = lax.Precision.HIGHEST
+GENERATORS = ("k", "v", "lr", "retain")
+SCALAR_MEMORIES = ("lr", "retain")
+READS = ("after_write", "before_write", "chunk_start")
+IMPLS = ("chunked", "recurrent")
+L2_EPS = 1e-6
+
+
+class SelfRefTitansState(NamedTuple):
+    """Stream state: the current weights of every memory (`{name: (W_in [B, H, D, Dh], W_out [B, H, Dh,
+    D_out])}`), each memory's chunk-start weights on its own grid (used while `pos` is inside a chunk),
+    and the stream position modulo the larger chunk size (int32 scalar)."""
+
+    weights: dict
+    start: dict
+    pos: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    act: Callable
+    names: tuple
+    chunk_memory: int
+    chunk_other: int
+    lr_max: float
+    dgd: bool
+    read: str
+    self_targets: bool
+    adaptive_q: bool
+    precision: object
+
+    @property
+    def period(self) -> int:
+        return max(self.chunk_memory, self.chunk_other)
+
+
+def memory_names(adaptive_q: bool = False) -> tuple:
+    """The memories of the op, in a fixed order."""
+    return GENERATORS + (("q",) if adaptive_q else ()) + ("memory",)
+
+
+def _make_spec(*, chunk_memory, chunk_other, activation, dgd, read, self_targets, adaptive_q, lr_max,
+               precision) -> _Spec:
+    check_positive("chunk_memory", chunk_memory)
+    check_positive("chunk_other", chunk_other)
+    if max(chunk_memory, chunk_other) % min(chunk_memory, chunk_other):
+        raise ValueError(f"chunk_memory ({chunk_memory}) and chunk_other ({chunk_other}) must divide one another")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; valid activations: {sorted(ACTIVATIONS)}")
+    if read not in READS:
+        raise ValueError(f"unknown read {read!r}; valid reads: {list(READS)}")
+    if isinstance(lr_max, (int, float)) and not lr_max > 0:
+        raise ValueError(f"lr_max must be positive, got {lr_max!r}")
+    return _Spec(ACTIVATIONS[activation], memory_names(adaptive_q), chunk_memory, chunk_other, lr_max, bool(dgd),
+                 read, bool(self_targets), bool(adaptive_q), precision)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks and state
+
+
+def _check_inputs(x, q, lr_bias, retain_bias):
+    if x.ndim != 4:
+        raise ValueError(f"x must have shape [B, T, H, D], got shape {tuple(x.shape)}")
+    if q.shape != x.shape:
+        raise ValueError(f"q must have x's shape {tuple(x.shape)}, got shape {tuple(q.shape)}")
+    heads = x.shape[2]
+    for name, b in (("lr_bias", lr_bias), ("retain_bias", retain_bias)):
+        if tuple(jnp.shape(b)) != (heads,):
+            raise ValueError(f"{name} must have shape [H] = ({heads},), got shape {tuple(jnp.shape(b))}")
+
+
+def _check_weights(weights, names, heads: int, dim: int, batch: int | None, what: str = "weights0") -> None:
+    if not isinstance(weights, dict) or set(weights) != set(names):
+        got = sorted(weights) if isinstance(weights, dict) else type(weights).__name__
+        raise ValueError(f"{what} must be a dict with keys {sorted(names)}, got {got}")
+    for name in names:
+        pair = weights[name]
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{what}[{name!r}] must be a pair (W_in, W_out)")
+        w_in, w_out = pair
+        d_out = 1 if name in SCALAR_MEMORIES else dim
+        if w_in.ndim not in (3, 4) or w_in.shape[-3:-1] != (heads, dim):
+            raise ValueError(f"{what}[{name!r}] W_in must have shape [H, D, Dh] = [{heads}, {dim}, Dh] "
+                             f"(or with a leading B), got {tuple(w_in.shape)}")
+        dh = w_in.shape[-1]
+        if w_out.ndim != w_in.ndim or w_out.shape[-3:] != (heads, dh, d_out):
+            raise ValueError(f"{what}[{name!r}] W_out must have shape [H, Dh, D_out] = [{heads}, {dh}, {d_out}] "
+                             f"(or with a leading B), got {tuple(w_out.shape)}")
+        if batch is not None and w_in.ndim == 4 and (w_in.shape[0] != batch or w_out.shape[0] != batch):
+            raise ValueError(f"{what}[{name!r}] has batch {w_in.shape[0]}, expected {batch}")
+
+
+def init_state(weights0, batch: int) -> SelfRefTitansState:
+    """Fresh stream state: every memory at `weights0` (broadcast to `[B, H, ...]`), position 0."""
+    weights = {n: tuple(jnp.broadcast_to(w, (batch,) + w.shape[-3:]) for w in pair) for n, pair in weights0.items()}
+    return SelfRefTitansState(weights, weights, jnp.zeros((), jnp.int32))
+
+
+def _as_state(initial_state, weights0, names, batch, heads, dim) -> SelfRefTitansState:
+    if initial_state is None:
+        if weights0 is None:
+            raise ValueError("pass weights0 or initial_state")
+        _check_weights(weights0, names, heads, dim, batch)
+        return init_state(weights0, batch)
+    if isinstance(initial_state, SelfRefTitansState):
+        _check_weights(initial_state.weights, names, heads, dim, batch, "initial_state.weights")
+        _check_weights(initial_state.start, names, heads, dim, batch, "initial_state.start")
+        return SelfRefTitansState(dict(initial_state.weights), dict(initial_state.start),
+                                  jnp.asarray(initial_state.pos, jnp.int32))
+    _check_weights(initial_state, names, heads, dim, batch, "initial_state")
+    return init_state(initial_state, batch)
+
+
+def _cast_state(state: SelfRefTitansState, dt) -> SelfRefTitansState:
+    cast = lambda ws: {n: tuple(w.astype(dt) for w in p) for n, p in ws.items()}  # noqa: E731
+    return SelfRefTitansState(cast(state.weights), cast(state.start), state.pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory pieces on `[B, H, C, D]` token blocks and `[B, H, D, Dh]` weights
+
+
+def _mm(spec: _Spec, a, b):
+    return jnp.matmul(a, b, precision=spec.precision)
+
+
+def _l2norm(z):
+    return z * lax.rsqrt(jnp.sum(z * z, axis=-1, keepdims=True) + L2_EPS**2)
+
+
+def _apply(spec: _Spec, name: str, pair, z, bias=None):
+    """M_□(z) for z [B, H, C, D]: residual for vector memories, `+ b` for lr and retain."""
+    w_in, w_out = pair
+    y = _mm(spec, spec.act(_mm(spec, z, w_in)), w_out)
+    if name in SCALAR_MEMORIES:
+        return y[..., 0] + bias[:, None]
+    return z + y
+
+
+def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias):
+    """k, v, lr, log(retain), β = lr / retain and the read query of a block of tokens from the
+    generators' chunk-start states (`[B, H, C, ...]`)."""
+    k = _l2norm(_apply(spec, "k", start["k"], x))
+    v = _apply(spec, "v", start["v"], x)
+    log_retain = jax.nn.log_sigmoid(_apply(spec, "retain", start["retain"], x, retain_bias))
+    beta = spec.lr_max * jax.nn.sigmoid(_apply(spec, "lr", start["lr"], x, lr_bias))
+    retain = jnp.exp(log_retain)
+    q = _l2norm(_apply(spec, "q", start["q"], q_in)) if spec.adaptive_q else q_in
+    return dict(k=k, v=v, q=q, log_retain=log_retain, retain=retain, beta=beta, lr=beta * retain)
+
+
+def _errors(spec: _Spec, name: str, pair, k, v, bias):
+    """At the chunk-start state: h = act(k W_in), the output error e = M_□(k) − v̂_□ and the
+    back-propagated δ = (e W_outᵀ) ⊙ act'(k W_in), so the gradients are hᵀe and kᵀδ."""
+    w_in, w_out = pair
+    h, dh = jax.jvp(spec.act, (_mm(spec, k, w_in),), (jnp.ones(k.shape[:-1] + w_in.shape[-1:], k.dtype),))
+    pred = _mm(spec, h, w_out)
+    if name in SCALAR_MEMORIES:
+        # The bias cancels in e = M(k) − M(v); the target is the memory's own output at v.
+        e = pred - _mm(spec, spec.act(_mm(spec, v, w_in)), w_out)
+    else:
+        target = _apply(spec, name, pair, v) if spec.self_targets else v
+        e = pred + k - target
+    delta = _mm(spec, e, jnp.swapaxes(w_out, -1, -2)) * dh
+    return h, e, delta
+
+
+def _bias(name, lr_bias, retain_bias):
+    return {"lr": lr_bias, "retain": retain_bias}.get(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Recurrent form: one token at a time (the reference and the decode step)
+
+
+def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t):
+    """One token for all (batch, head): x_t, q_t [B, H, D]. Returns (o_t [B, H, D], new state)."""
+    pos = state.pos
+    fresh = {n: (pos % (spec.chunk_memory if n == "memory" else spec.chunk_other)) == 0 for n in spec.names}
+    start = {n: tuple(jnp.where(fresh[n], c, s) for c, s in zip(state.weights[n], state.start[n]))
+             for n in spec.names}
+    x1, q1 = x_t[..., None, :], q_t[..., None, :]  # [B, H, 1, D]
+    g = _generate(spec, start, x1, q1, lr_bias, retain_bias)
+    k, lr, retain = g["k"], g["lr"][..., None], g["retain"][..., None]  # gates [B, H, 1, 1]
+    k_col = jnp.swapaxes(k, -1, -2)  # [B, H, D, 1]
+    new = {}
+    for n in spec.names:
+        h, e, delta = _errors(spec, n, start[n], k, g["v"], _bias(n, lr_bias, retain_bias))
+        w_in, w_out = state.weights[n]
+        step_in = delta + _mm(spec, k, w_in) if spec.dgd else delta
+        new[n] = (retain * w_in - lr * _mm(spec, k_col, step_in),
+                  retain * w_out - lr * _mm(spec, jnp.swapaxes(h, -1, -2), e))
+    read_state = {"after_write": new, "before_write": state.weights, "chunk_start": start}[spec.read]["memory"]
+    o = _apply(spec, "memory", read_state, g["q"])[..., 0, :]
+    return o, SelfRefTitansState(new, start, (pos + 1) % spec.period)
+
+
+def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q):
+    def body(st, xs):
+        o, st = _token_step(spec, lr_bias, retain_bias, st, *xs)
+        return st, o
+
+    state, o = _sqrt_scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(q, 1, 0)))
+    return jnp.moveaxis(o, 0, 1), state
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked form: per chunk, generation and errors in parallel, one WY pass per layer and grid
+
+
+class _Decay(NamedTuple):
+    """In-chunk retention products from G_t = Σ_{m≤t} log retain_m: e^G [.., C], Γ_tj = e^{G_t − G_j}
+    (j ≤ t, else 0) [.., C, C], tail_j = e^{G_C − G_j} and e^{G_C} [.., 1, 1]; the read matrices are Γ
+    (after the write) or Γ_tj / retain_t on j < t (before it), with the matching e^G."""
+
+    tail: jax.Array
+    last: jax.Array
+    read_eg: jax.Array
+    read_gamma: jax.Array
+    gamma: jax.Array
+    eg: jax.Array
+
+
+def _decay(log_retain, read: str) -> _Decay:
+    c = log_retain.shape[-1]
+    idx = jnp.arange(c)
+    g = jnp.cumsum(log_retain, axis=-1)
+    diff = g[..., :, None] - g[..., None, :]
+    incl = idx[:, None] >= idx[None, :]
+    gamma = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)
+    eg = jnp.exp(g)
+    read_eg, read_gamma = eg, gamma
+    if read == "before_write":
+        strict = idx[:, None] > idx[None, :]
+        prev = diff - log_retain[..., :, None]
+        read_gamma = jnp.where(strict, jnp.exp(jnp.where(strict, prev, 0.0)), 0.0)
+        read_eg = jnp.exp(g - log_retain)
+    return _Decay(jnp.exp(g[..., -1:] - g), jnp.exp(g[..., -1])[..., None, None], read_eg, read_gamma, gamma, eg)
+
+
+def _decayed_memory(spec: _Spec, dec: _Decay, s, keys, u, y=None):
+    """The linear recurrence S_t = retain_t S_{t−1} + key_tᵀ u_t over a chunk entering with S = s:
+    the chunk-end state and, for y [.., C, d], the per-token reads y_t S_t (or y_t S_{t−1})."""
+    s_end = dec.last * s + _mm(spec, jnp.swapaxes(keys * dec.tail[..., None], -1, -2), u)
+    if y is None:
+        return s_end, None
+    scores = _mm(spec, y, jnp.swapaxes(keys, -1, -2)) * dec.read_gamma
+    return s_end, dec.read_eg[..., None] * _mm(spec, y, s) + _mm(spec, scores, u)
+
+
+def _input_values(spec: _Spec, g, dec: _Decay, s, delta):
+    """u_t of the input layer written as S_t = retain_t S_{t−1} + k_tᵀ u_t: −lr_t δ_t without DGD; with
+    DGD the gated delta rule (a = retain, β = lr / retain, values −retain·δ) solved in WY form,
+    u = (I + strict(β K Kᵀ ⊙ Γ))⁻¹ (−lr δ − (β e^G ⊙ K) S)."""
+    rhs = -g["lr"][..., None] * delta
+    if not spec.dgd:
+        return rhs
+    k, beta = g["k"], g["beta"]
+    kk = _mm(spec, k, jnp.swapaxes(k, -1, -2))
+    c = kk.shape[-1]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    tinv = unit_lower_inverse(jnp.where(strict, beta[..., :, None] * kk * dec.gamma, 0.0), spec.precision)
+    return _mm(spec, tinv, rhs - _mm(spec, (beta * dec.eg)[..., None] * k, s))
+
+
+def _write_chunk(spec: _Spec, g, dec, names, start, cur, lr_bias, retain_bias, q=None):
+    """Chunk-end weights of `names` from the errors at their chunk-start states (the DGD solve shared
+    by all their input layers) and, with q, the memory's read o_t = q_t + act(q_t W_in) W_out at the
+    `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention."""
+    pieces = {n: _errors(spec, n, start[n], g["k"], g["v"], _bias(n, lr_bias, retain_bias)) for n in names}
+    u_in = _input_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1),
+                         jnp.concatenate([pieces[n][2] for n in names], axis=-1))
+    new, out, col = {}, None, 0
+    for n in names:
+        h, e, _ = pieces[n]
+        width = cur[n][0].shape[-1]
+        reads = n == "memory" and q is not None
+        per_token = reads and spec.read != "chunk_start"
+        w_in, zq = _decayed_memory(spec, dec, cur[n][0], g["k"], u_in[..., col:col + width], q if per_token else None)
+        col += width
+        hq = None
+        if reads:
+            hq = spec.act(zq if per_token else _mm(spec, q, start[n][0]))
+        w_out, yo = _decayed_memory(spec, dec, cur[n][1], h, -g["lr"][..., None] * e, hq if per_token else None)
+        if reads:
+            out = q + (yo if per_token else _mm(spec, hq, start[n][1]))
+        new[n] = (w_in, w_out)
+    return new, out
+
+
+def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
+    """One period of L = max(chunk sizes) tokens: the generators' chunks, then the memory's.
+
+    carry: (current weights, the chunk-start weights of the last chunk holding a live token, or None).
+    xs: x, q [B, H, L, D] and the live-token mask [L] (None: all live). resume: (stored chunk-start
+    weights, stream position) for the first block of a stream resumed inside a chunk."""
+    weights, last_start = carry
+    x, q, live = xs
+    weights, last_start = dict(weights), None if last_start is None else dict(last_start)
+
+    def starts(names, j, size):
+        out = {n: weights[n] for n in names}
+        if resume is not None:
+            stored, p = resume
+            inside = (p // size == j) & (p % size != 0)
+            out = {n: tuple(jnp.where(inside, s_, c_) for s_, c_ in zip(stored[n], out[n])) for n in names}
+        return out
+
+    def record(names, start, sl):
+        if last_start is not None:
+            any_live = True if live is None else jnp.any(live[sl])
+            for n in names:
+                last_start[n] = tuple(jnp.where(any_live, s_, o_) for s_, o_ in zip(start[n], last_start[n]))
+
+    gens = [n for n in spec.names if n != "memory"]
+    size = spec.chunk_other
+    parts = []
+    for j in range(spec.period // size):
+        sl = slice(j * size, (j + 1) * size)
+        start = starts(gens, j, size)
+        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
+        if live is not None:
+            on = live[sl]
+            g.update(lr=jnp.where(on, g["lr"], 0.0), beta=jnp.where(on, g["beta"], 0.0),
+                     log_retain=jnp.where(on, g["log_retain"], 0.0))
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, lr_bias, retain_bias)
+        weights.update(new)
+        record(gens, start, sl)
+        parts.append(g)
+    gen = {key: jnp.concatenate([p_[key] for p_ in parts], axis=2) for key in ("k", "v", "q", "lr", "beta",
+                                                                              "log_retain")}
+    size = spec.chunk_memory
+    outs = []
+    for i in range(spec.period // size):
+        sl = slice(i * size, (i + 1) * size)
+        g = {key: val[:, :, sl] for key, val in gen.items()}
+        start = starts(["memory"], i, size)
+        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, lr_bias,
+                              retain_bias, q=g["q"])
+        weights.update(new)
+        record(["memory"], start, sl)
+        outs.append(o)
+    return (weights, last_start), jnp.concatenate(outs, axis=2)
+
+
+def _static_int(x):
+    return None if isinstance(x, jax.core.Tracer) else int(x)
+
+
+def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool):
+    """Blocks of L = max(chunk sizes) tokens through a rematerialised `lax.scan`; the stream's
+    position p puts token 0 at index p of a timeline of whole blocks whose other tokens write nothing."""
+    bsz, t_len, heads, dim = x.shape
+    size = spec.period
+    p = _static_int(state.pos)
+    if p is not None:
+        p %= size
+        n = -(-(p + t_len) // size)
+
+        def place(z):
+            return jnp.pad(z, [(0, 0), (p, n * size - p - t_len), (0, 0), (0, 0)])
+    else:
+        p = state.pos % size
+        n = -(-(t_len + size - 1) // size)
+
+        def place(z):
+            return lax.dynamic_update_slice(jnp.zeros((bsz, n * size, heads, dim), z.dtype), z, (0, p, 0, 0))
+
+    def blocks(z):  # [B, n·L, H, D] -> [n, B, H, L, D]
+        return jnp.moveaxis(place(z).reshape(bsz, n, size, heads, dim), (1, 3), (0, 2))
+
+    idx = jnp.arange(n * size).reshape(n, size)
+    masked = not (isinstance(p, int) and p == 0 and n * size == t_len)
+    live = ((idx >= p) & (idx < p + t_len)) if masked else None
+    xs = (blocks(x), blocks(q), live)
+    carry = (state.weights, dict(state.start) if want_start else None)
+    tmap = jax.tree_util.tree_map
+    outs = []
+    first = 0
+    if not (isinstance(p, int) and p == 0):
+        carry, o0 = _block(spec, lr_bias, retain_bias, carry, tmap(lambda z: z[0], xs), resume=(state.start, p))
+        outs.append(o0[None])
+        first = 1
+    if n > first:
+        step = jax.checkpoint(lambda c, z: _block(spec, lr_bias, retain_bias, c, z))
+        carry, o = lax.scan(step, carry, tmap(lambda z: z[first:], xs))
+        outs.append(o)
+    o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [n, B, H, L, D]
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(bsz, n * size, heads, dim)
+    o = o[:, p:p + t_len] if isinstance(p, int) else lax.dynamic_slice_in_dim(o, p, t_len, axis=1)
+    weights, last_start = carry
+    pos = ((state.pos + t_len) % size).astype(jnp.int32)
+    return o, SelfRefTitansState(weights, last_start if want_start else state.start, pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max, chunk_memory: int = 16,
+                            chunk_other: int = 64, activation: str = "gelu", dgd: bool = True,
+                            read: str = "after_write", self_targets: bool = True, adaptive_q: bool = False,
+                            initial_state=None, impl: str = "chunked", precision=HIGHEST,
+                            return_stream_state: bool = False):
+    """Run self-referential Titans over a sequence.
+
+    x, q: [B, T, H, D] (the layer has applied conv, projections and q's L2 norm).
+    weights0: `{name: (W_in [H, D, Dh], W_out [H, Dh, D_out])}` for `memory_names(adaptive_q)`
+      (`D_out` = D, or 1 for lr and retain; a leading B is allowed); lr_bias, retain_bias: [H].
+    initial_state: a weights dict like the returned state (continues a stream split on a chunk
+      boundary of both grids) or a `SelfRefTitansState` (resumes anywhere).
+    Returns `(o [B, T, H, D], state)`: the final weights `{name: (W_in, W_out)}` as `[B, H, ...]`,
+    or a `SelfRefTitansState` with `return_stream_state`.
+    """
+    spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
+                      read=read, self_targets=self_targets, adaptive_q=adaptive_q, lr_max=lr_max,
+                      precision=precision)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
+    _check_inputs(x, q, lr_bias, retain_bias)
+    bsz, t_len, heads, dim = x.shape
+    state = _as_state(initial_state, weights0, spec.names, bsz, heads, dim)
+    out_dtype, dt = x.dtype, jnp.promote_types(x.dtype, jnp.float32)
+    x, q = x.astype(dt), q.astype(dt)
+    lr_bias, retain_bias = jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt)
+    state = _cast_state(state, dt)
+    if t_len == 0:
+        o = jnp.zeros(x.shape, dt)
+    elif impl == "recurrent":
+        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q)
+    else:
+        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state)
+    o = o.astype(out_dtype)
+    return o, (state if return_stream_state else state.weights)
+
+
+def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias, retain_bias, lr_max,
+                                 chunk_memory: int = 16, chunk_other: int = 64, activation: str = "gelu",
+                                 dgd: bool = True, read: str = "after_write", self_targets: bool = True,
+                                 adaptive_q: bool = False, precision=HIGHEST):
+    """Decode one token: x_t, q_t [B, H, D]; `state` from `init_state` or
+    `self_referential_titans(..., return_stream_state=True)`. Returns `(o_t [B, H, D], state)`;
+    steps equal the full sequence across chunk boundaries of both grids."""
+    spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
+                      read=read, self_targets=self_targets, adaptive_q=adaptive_q, lr_max=lr_max,
+                      precision=precision)
+    if x_t.ndim != 3:
+        raise ValueError(f"x_t must have shape [B, H, D], got shape {tuple(x_t.shape)}")
+    _check_inputs(x_t[:, None], q_t[:, None] if q_t.ndim == 3 else q_t, lr_bias, retain_bias)
+    bsz, heads, dim = x_t.shape
+    if not isinstance(state, SelfRefTitansState):
+        raise ValueError("state must be a SelfRefTitansState (from init_state or return_stream_state=True)")
+    state = _as_state(state, None, spec.names, bsz, heads, dim)
+    out_dtype, dt = x_t.dtype, jnp.promote_types(x_t.dtype, jnp.float32)
+    state = _cast_state(state, dt)
+    o, state = _token_step(spec, jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt), state,
+                           x_t.astype(dt), q_t.astype(dt))
+    return o.astype(out_dtype), state
+
+
+self_referential_init_state = init_state  # the name the package exports
