@@ -60,6 +60,7 @@ TIME_LIMIT_S = 600  # wall-time cap per family in `make mqar` (start-up and comp
 FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
+    "self_ref_titans": {"memory.lr_max": 1.0, "memory.lr_init": 0.5, "memory.retain_init": 0.999},
 }
 # Per-family training overrides (paths from the config root), for a family the common recipe does
 # not fit. titans_mac attends within 64-token segments, so the common 64-token windows are answered

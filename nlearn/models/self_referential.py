@@ -11,8 +11,6 @@ import ml_collections
 from nlearn.errors import UserError
 from nlearn.models import register
 
-READS = ("after_write", "before_write", "chunk_start")
-
 
 def memory_config(**overrides) -> ml_collections.ConfigDict:
     """The self-referential memory's options (HOPE.md §1; every *(choice)* there is a key here)."""
@@ -45,6 +43,7 @@ def _is_int(value) -> bool:
 def validate(config) -> None:
     """Refuse what the op or the layer cannot run, before anything is built."""
     from nlearn.memory.neural_memory import ACTIVATIONS
+    from nlearn.memory.self_referential import READS
 
     mem = config.model.memory
     for key, low in (("chunk_memory", 1), ("chunk_other", 1), ("expansion", 1), ("conv_size", 0)):
