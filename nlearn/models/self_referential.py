@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from nlearn.errors import UserError
+from nlearn.layers.self_referential import SelfReferentialMixer
 from nlearn.models import register
 
 
@@ -67,8 +68,6 @@ def validate(config) -> None:
 
 
 def _make_mixer(cfg, layer_index, rngs):
-    from nlearn.layers.self_referential import SelfReferentialMixer
-
     return SelfReferentialMixer(cfg, rngs=rngs)
 
 
