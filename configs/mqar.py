@@ -64,7 +64,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # (retain 0.999: ~78% of a write left 250 tokens on, against 8% with the LM default 0.99), as titans_lmm's
     # max_lr and titans_mac's decay_init. Not yet shown to reach 95%: with lr_max 1.0 (lr_t ~ 0.5) the first
     # run's loss fell below the plateau (5.51 at step 150 of the 64-token stage) and then became nan before
-    # step 200 (the output layer's step lr·|h|² is not bounded by lr_max; HOPE.md "Numerics").
+    # step 200, and so did this preset (lr_max 0.5: 5.50 at step 150, nan at 160): the output layer's step
+    # lr·|h|² is not bounded by lr_max (HOPE.md "Numerics"). Open: bound it (e.g. normalise h) or clip.
     "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999},
 }
 # Per-family training overrides (paths from the config root), for a family the common recipe does
