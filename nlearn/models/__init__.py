@@ -62,3 +62,4 @@ def count_params(config) -> int:
 from nlearn.models import transformer  # noqa: E402,F401  (registers the families)
 from nlearn.models import recurrent  # noqa: E402,F401
 from nlearn.models import titans  # noqa: E402,F401
+from nlearn.models import self_referential  # noqa: E402,F401

@@ -1,0 +1,74 @@
+"""Family `self_ref_titans`: the shared backbone with the self-referential Titans mixer (HOPE.md §1).
+
+`memory_config()` is the default `model.memory` section (each key a one-line override) and
+`validate()` refuses bad values in one line naming the key.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from nlearn.errors import UserError
+from nlearn.layers.self_referential import SelfReferentialMixer
+from nlearn.models import register
+
+
+def memory_config(**overrides) -> ml_collections.ConfigDict:
+    """The self-referential memory's options (HOPE.md §1; every *(choice)* there is a key here)."""
+    c = ml_collections.ConfigDict()
+    c.conv_size = 4  # short causal depthwise conv on the memory inputs x and the queries q; 0 disables
+    c.conv_init = "identity"  # or "uniform"; see nlearn.layers.conv.ShortConv
+    c.chunk_memory = 16  # tokens per update chunk of the `memory` (the one that is read)
+    c.chunk_other = 64  # tokens per chunk of the generators k, v, lr, retain (one chunk size divides the other)
+    c.read = "after_write"  # or "before_write" (eq. 86 literally), "chunk_start" (eq. 90 literally)
+    c.dgd = True  # delta-gradient descent on the memories' input layers (False: plain GD with retention)
+    c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
+    c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection
+    c.lr_max = 0.5  # lr_t = lr_max * retain_t * sigmoid(M_lr(x_t)); <= 1 keeps the DGD factor >= 0
+    c.expansion = 4  # hidden width of every memory MLP / head_dim
+    c.activation = "gelu"  # see nlearn.memory.neural_memory.ACTIVATIONS
+    c.retain_init = 0.99  # retain_t at initialisation (the retain bias starts at its logit)
+    c.lr_init = 0.1  # sigmoid of the lr bias at initialisation (lr_t starts near lr_max * lr_init)
+    c.update(overrides)
+    return c
+
+
+def _fail(key: str, value, why: str):
+    raise UserError(f"invalid config value model.memory.{key}={value!r}: {why}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(config) -> None:
+    """Refuse what the op or the layer cannot run, before anything is built."""
+    from nlearn.memory.neural_memory import ACTIVATIONS
+    from nlearn.memory.self_referential import READS
+
+    mem = config.model.memory
+    for key, low in (("chunk_memory", 1), ("chunk_other", 1), ("expansion", 1), ("conv_size", 0)):
+        if not _is_int(mem[key]) or mem[key] < low:
+            _fail(key, mem[key], f"must be an integer >= {low}")
+    if max(mem.chunk_memory, mem.chunk_other) % min(mem.chunk_memory, mem.chunk_other):
+        _fail("chunk_other", mem.chunk_other, f"one of chunk_memory={mem.chunk_memory} and chunk_other must "
+              "divide the other")
+    if mem.read not in READS:
+        _fail("read", mem.read, f"valid choices: {', '.join(READS)}")
+    if mem.activation not in ACTIVATIONS:
+        _fail("activation", mem.activation, f"valid choices: {', '.join(sorted(ACTIVATIONS))}")
+    for key in ("dgd", "self_targets", "adaptive_q"):
+        if not isinstance(mem[key], bool):
+            _fail(key, mem[key], "must be True or False")
+    if not 0.0 < mem.lr_max <= 1.0:
+        _fail("lr_max", mem.lr_max, "must be in (0, 1] (above 1 the DGD factor retain - lr |k|^2 can turn negative)")
+    for key in ("retain_init", "lr_init"):
+        if not 0.0 < mem[key] < 1.0:
+            _fail(key, mem[key], "must be in (0, 1)")
+
+
+def _make_mixer(cfg, layer_index, rngs):
+    return SelfReferentialMixer(cfg, rngs=rngs)
+
+
+register("self_ref_titans", _make_mixer, validate)
