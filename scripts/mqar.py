@@ -28,7 +28,7 @@ from nlearn.config import base_config  # noqa: E402
 from nlearn.data.curriculum import parse_curriculum  # noqa: E402
 from results_md import write_results  # noqa: E402
 
-DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "self_ref_titans", "linear_attention", "transformer")
+DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "linear_attention", "transformer")
 
 
 def mqar_presets():
