@@ -19,6 +19,8 @@ token (Dk = Dv = D, C = chunk size, b = TTT mini-batch); fwd+bwd counts 3x forwa
   softmax attention  2·T·D per token on average      (causal half of Q Kᵀ and P V)
   neural_memory      Σ_layers (10·i·o + 2·b·(i+o)) + Σ_{layers>1} 2·i·o   (i→o per layer, F = 4D hidden:
                      keys, reads of W and U, both updates, 2 tril products; backprop of the errors)
+  self_referential   see `_selfref_flops`: 4 generator MLPs on x, 5 memories' errors at k and v, one shared
+                     DGD solve, chunk-end writes, the memory's per-token reads (hidden 64, chunks 16 / 64)
 
 To add an op (e.g. `neural_memory`), append a `Case` to `CASES`.
 """
@@ -40,7 +42,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from nlearn.bench import fmt, markdown_table, matmul_gflops, time_fn  # noqa: E402
-from nlearn.memory import delta_rule, gated_delta_rule, linear_attention, ttt_linear, ttt_mlp  # noqa: E402
+from nlearn.memory import (  # noqa: E402
+    delta_rule,
+    gated_delta_rule,
+    linear_attention,
+    self_referential_titans,
+    ttt_linear,
+    ttt_mlp,
+)
 from nlearn.memory.neural_memory import neural_memory  # noqa: E402
 from nlearn.utils.readme import replace_section  # noqa: E402
 
@@ -126,11 +135,11 @@ CASES: list[Case] = [
 ]
 
 
-def _neural_memory_case(depth: int, mb: int) -> Case:
-    """Titans LMM: momentum and decay gates, l2 objective, gelu, hidden width 4·D (depth >= 2)."""
+def _neural_memory_case(depth: int, mb: int, hidden: int | None = None) -> Case:
+    """Titans LMM: momentum and decay gates, l2 objective, gelu, hidden width 4·D (depth >= 2) unless given."""
 
     def make(rng, b, t, h, d):
-        dims = [d] + [4 * d] * (depth - 1) + [d]
+        dims = [d] + [hidden or 4 * d] * (depth - 1) + [d]
         ws = [jnp.asarray(rng.normal(size=(h, i, o)) / np.sqrt(i), jnp.float32) for i, o in zip(dims[:-1], dims[1:])]
         return (*_qkv(rng, b, t, h, d), _gates(rng, b, t, h, 0.0, 0.1), _gates(rng, b, t, h, 0.5, 0.9),
                 _gates(rng, b, t, h, 0.0, 0.05), *ws)
@@ -140,15 +149,54 @@ def _neural_memory_case(depth: int, mb: int) -> Case:
                              **({"impl": impl} if impl else {}))[0]
 
     def flops(t, h, d):
-        dims = [d] + [4 * d] * (depth - 1) + [d]
+        dims = [d] + [hidden or 4 * d] * (depth - 1) + [d]
         pairs = list(zip(dims[:-1], dims[1:]))
         per_token = sum(10 * i * o + 2 * mb * (i + o) for i, o in pairs) + sum(2 * i * o for i, o in pairs[1:])
         return h * t * per_token
 
-    return Case(f"neural_memory_L{depth}_b{mb}", make, call, flops, recurrent_max_len=1024)
+    name = f"neural_memory_L{depth}_b{mb}" + (f"_h{hidden}" if hidden else "")
+    return Case(name, make, call, flops, recurrent_max_len=1024)
 
 
 CASES += [_neural_memory_case(depth, mb) for depth in (1, 2, 3) for mb in (1, 16, 64)]
+
+# Self-referential Titans: five 2-layer memories (hidden SR_HIDDEN, gelu) generating k, v, lr, retain
+# and the read, DGD on, self-generated targets, read after write; memory chunk 16, others 64. Its
+# baseline is one neural_memory of the same depth and hidden width with mini-batch 16.
+SR_HIDDEN, SR_CM, SR_CO = 64, 16, 64
+SR_NAMES = ("k", "v", "lr", "retain", "memory")
+
+
+def _selfref_make(rng, b, t, h, d):
+    x = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    q = rng.normal(size=(b, t, h, d))
+    q = jnp.asarray(q / np.linalg.norm(q, axis=-1, keepdims=True), jnp.float32)
+    ws = []
+    for n in SR_NAMES:
+        ws.append(jnp.asarray(rng.normal(size=(h, d, SR_HIDDEN)) / np.sqrt(d), jnp.float32))
+        ws.append(jnp.asarray(0.02 * rng.normal(size=(h, SR_HIDDEN, 1 if n in ("lr", "retain") else d)), jnp.float32))
+    return (x, q, *ws, jnp.full((h,), -2.0, jnp.float32), jnp.full((h,), 4.0, jnp.float32))
+
+
+def _selfref_call(x, q, *rest, impl=None):
+    *ws, lr_bias, retain_bias = rest
+    weights0 = {n: (ws[2 * i], ws[2 * i + 1]) for i, n in enumerate(SR_NAMES)}
+    return self_referential_titans(x, q, weights0=weights0, lr_bias=lr_bias, retain_bias=retain_bias, lr_max=0.5,
+                                   chunk_memory=SR_CM, chunk_other=SR_CO, **({"impl": impl} if impl else {}))[0]
+
+
+def _selfref_flops(t, h, d):
+    """Per token: the generators' x and v passes (8 MLP layers, 2 ops), the errors of all 5 memories
+    (k and v through both layers, δ), the shared DGD solve and chunk-end writes, the memory's reads."""
+    f, c = SR_HIDDEN, SR_CO
+    mlp = 2 * (2 * d * f)  # two [d, f] layers, multiply-add
+    return h * t * (4 * mlp + 5 * (2 * mlp + 2 * d * f) + 2 * c * 5 * f + 4 * 5 * d * f + 4 * SR_CM * (d + f))
+
+
+CASES += [
+    _neural_memory_case(2, 16, hidden=SR_HIDDEN),
+    Case("self_referential_titans", _selfref_make, _selfref_call, _selfref_flops, recurrent_max_len=1024),
+]
 
 
 def softmax_attention(q, k, v):
@@ -272,7 +320,28 @@ def acceptance(args) -> str:
             line += f"; recurrent fwd+bwd {r_train.median * 1e3:.0f} ms -> {r_train.median / t_train.median:.1f}x"
         lines.append(line)
         print(lines[-1], flush=True)
+    lines.append(selfref_acceptance(args, rng))
     return "\n".join(lines)
+
+
+def selfref_acceptance(args, rng, t: int = 4096) -> str:
+    """Issue 21: the default form's fwd+bwd at T=4096 is >= 8x faster than its recurrent twin and
+    <= 4x the time of neural_memory (depth 2, hidden 64, mini-batch 16), all measured here in one run."""
+    b, h, d = 1, 4, 64
+    by_name = {c.name: c for c in CASES}
+    sr, nm = by_name["self_referential_titans"], by_name[f"neural_memory_L2_b16_h{SR_HIDDEN}"]
+    w = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    inputs = sr.make(rng, b, t, h, d)
+    _, t_sr = measure(sr.call, inputs, w, None, args.reps, args.max_seconds)
+    _, t_rec = measure(sr.call, inputs, w, "recurrent", 1, args.max_seconds)
+    _, t_nm = measure(nm.call, nm.make(rng, b, t, h, d), w, None, args.reps, args.max_seconds)
+    fast, rel = t_rec.median / t_sr.median, t_sr.median / t_nm.median
+    line = (f"self_referential_titans T={t} (H={h}, D={d}, hidden {SR_HIDDEN}, chunks {SR_CM}/{SR_CO}) fwd+bwd "
+            f"{t_sr.median * 1e3:.0f} ms; recurrent {t_rec.median * 1e3:.0f} ms -> {fast:.1f}x faster "
+            f"({'ok' if fast >= 8 else 'FAIL'}: >= 8x); neural_memory L2 h{SR_HIDDEN} b16 {t_nm.median * 1e3:.0f} ms "
+            f"-> {rel:.2f}x its time ({'ok' if rel <= 4 else 'FAIL'}: <= 4x)")
+    print(line, flush=True)
+    return line
 
 
 def main(argv=None):
@@ -281,6 +350,8 @@ def main(argv=None):
     p.add_argument("--ops", default="", help="comma list of case names (default: all)")
     p.add_argument("--quick", action="store_true", help="T=1024 only, 3 repetitions")
     p.add_argument("--acceptance", action="store_true", help="also run the acceptance checks")
+    p.add_argument("--selfref_acceptance", action="store_true",
+                   help="only the self-referential Titans acceptance check (issue 21)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max_seconds", type=float, default=10.0, help="timing budget per program")
     p.add_argument("--recurrent_max_len", type=int, default=4096)
@@ -297,6 +368,9 @@ def main(argv=None):
     if args.quick:
         args.lengths, args.reps = "1024", 3
     start = time.perf_counter()
+    if args.selfref_acceptance:
+        print(selfref_acceptance(args, np.random.default_rng(1)))
+        return
     text = run(args)
     if args.acceptance:
         text += "\n\n" + acceptance(args)

@@ -17,7 +17,8 @@ import self_ref_titans
 from nlearn import models
 from nlearn.config import validate
 from nlearn.errors import UserError
-from nlearn.layers.self_referential import MEMORIES, SelfReferentialMixer
+from nlearn.layers.self_referential import SelfReferentialMixer
+from nlearn.memory.self_referential import memory_names
 from run_helpers import ROOT, run_cli, tiny_overrides
 from test_cli import assert_one_line_failure
 
@@ -46,7 +47,8 @@ def parsed(*overrides):
 COUNTS = {"tiny": 5_255_712, "340m": 349_023_104, "760m": 759_463_936, "1.3b": 1_311_462_528}
 
 
-@pytest.mark.parametrize("preset", ["tiny"] + [pytest.param(p, marks=pytest.mark.slow) for p in ("340m", "760m", "1.3b")])
+@pytest.mark.parametrize("preset", ["tiny"] + [pytest.param(p, marks=pytest.mark.slow)
+                                               for p in ("340m", "760m", "1.3b")])
 def test_presets_have_their_pinned_sizes(preset):
     n = models.count_params(self_ref_titans.get_config(preset))
     assert n == COUNTS[preset]
@@ -98,8 +100,8 @@ OVERRIDES = ["read=before_write", "read=chunk_start", "dgd=False", "self_targets
              "retain_init=0.9", "lr_init=0.3", "conv_size=2", "conv_init=uniform"]
 
 
-@pytest.mark.parametrize("override", [pytest.param(o, marks=pytest.mark.slow) if i % 3 else o
-                                      for i, o in enumerate(OVERRIDES)])
+@pytest.mark.parametrize("override", [o if o == "read=before_write" else pytest.param(o, marks=pytest.mark.slow)
+                                      for o in OVERRIDES])
 def test_each_memory_key_is_a_one_line_override(override):
     """Parsed as the CLI parses it, validated, reaches the layer, and changes its output."""
     key, value = override.split("=")
@@ -121,7 +123,8 @@ def test_each_memory_key_is_a_one_line_override(override):
         assert "q" in mixer.weights0() and mixer.weights0()["q"][1].shape == (2, 16, 16)
 
 
-@pytest.mark.parametrize("memory", [dict(), dict(chunk_memory=8, chunk_other=4, read="chunk_start")])
+@pytest.mark.parametrize("memory", [dict(), pytest.param(dict(chunk_memory=8, chunk_other=4, read="chunk_start"),
+                                                          marks=pytest.mark.slow)])
 def test_decoding_equals_the_forward_with_a_constant_size_cache(memory):
     """A 5-token prompt, then one token at a time across chunk boundaries of both grids."""
     config = small(**memory)
@@ -142,6 +145,7 @@ def test_decoding_equals_the_forward_with_a_constant_size_cache(memory):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_every_parameter_of_the_layer_gets_a_gradient():
     """The initial weights of every memory and both biases are learnt by the outer loop."""
     config = small(adaptive_q=True)
@@ -151,9 +155,8 @@ def test_every_parameter_of_the_layer_gets_a_gradient():
     loss = lambda s: jnp.sum(nnx.merge(graphdef, s)(x)[0] ** 2)  # noqa: E731
     grads = jax.jit(jax.grad(loss))(state)
     flat = {"/".join(map(str, path)): g for path, g in nnx.to_flat_state(grads)}
-    names = set(MEMORIES) | {"q"}
     for group in ("w_in", "w_out"):
-        for name in names:
+        for name in memory_names(adaptive_q=True):
             assert float(jnp.max(jnp.abs(flat[f"{group}/{name}"][...]))) > 0, f"{group}/{name}"
     for path, g in flat.items():
         assert float(jnp.max(jnp.abs(g[...]))) > 0, path

@@ -19,10 +19,8 @@ from flax import nnx
 from nlearn.layers.conv import ShortConv
 from nlearn.layers.core import Dense, RMSNorm, param
 from nlearn.layers.memory_mixer import l2_normalize
-from nlearn.memory.self_referential import init_state, self_referential_titans, self_referential_titans_step
-
-MEMORIES = ("k", "v", "lr", "retain", "memory")  # plus "q" with memory.adaptive_q
-SCALAR_MEMORIES = ("lr", "retain")  # one output per head (D_out = 1)
+from nlearn.memory.self_referential import (SCALAR_MEMORIES, init_state, memory_names, self_referential_titans,
+                                            self_referential_titans_step)
 
 
 def logit(p: float) -> float:
@@ -50,7 +48,7 @@ class SelfReferentialMixer(nnx.Module):
         self.convs = nnx.List([ShortConv(width, mem.conv_size, init=mem.conv_init, rngs=rngs) for _ in range(2)]
                               if mem.conv_size else [])
         hidden = mem.expansion * d
-        names = MEMORIES + (("q",) if mem.adaptive_q else ())
+        names = memory_names(mem.adaptive_q)
         self.w_in = nnx.Dict({name: param(rngs, (h, d, hidden), ("heads", None, None), std=1.0 / math.sqrt(d))
                               for name in names})
         self.w_out = nnx.Dict({name: param(rngs, (h, hidden, 1 if name in SCALAR_MEMORIES else d),
@@ -93,13 +91,12 @@ class SelfReferentialMixer(nnx.Module):
     def _memory(self, x, q, state):
         if state is None:  # training: the whole window from the learned initial weights
             return self_referential_titans(x, q, weights0=self.weights0(), **self._biases(), **self.options)[0]
-
-        def step(state, xq):  # decoding: token by token, whatever the prompt's length
-            o, state = self_referential_titans_step(*xq, state=state, **self._biases(), **self.options)
-            return state, o
-
-        state, o = jax.lax.scan(step, state, (jnp.swapaxes(x, 0, 1), jnp.swapaxes(q, 0, 1)))
-        return jnp.swapaxes(o, 0, 1), state
+        if x.shape[1] == 1:  # decoding one token
+            o, state = self_referential_titans_step(x[:, 0], q[:, 0], state=state, **self._biases(), **self.options)
+            return o[:, None], state
+        # A prompt (or a stream resumed anywhere): the chunked form from the stream state.
+        return self_referential_titans(x, q, initial_state=state, return_stream_state=True, **self._biases(),
+                                       **self.options)
 
     def __call__(self, x_BTD, cache=None):
         b, t, _ = x_BTD.shape

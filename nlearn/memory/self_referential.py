@@ -29,6 +29,7 @@ so the projection x W_q stays the input and the memory only learns a residual co
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -180,32 +181,52 @@ def _apply(spec: _Spec, name: str, pair, z, bias=None):
     return z + y
 
 
+def _first_layers(spec: _Spec, names, weights, z):
+    """act(z W_in) of several memories from one matmul against their stacked input layers."""
+    h = spec.act(_mm(spec, z, jnp.concatenate([weights[n][0] for n in names], axis=-1)))
+    return _split_columns(h, [weights[n][0].shape[-1] for n in names])
+
+
+def _split_columns(a, widths):
+    cuts = list(itertools.accumulate(widths))[:-1]
+    return jnp.split(a, cuts, axis=-1) if cuts else [a]
+
+
 def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias):
     """k, v, lr, log(retain), β = lr / retain and the read query of a block of tokens from the
     generators' chunk-start states (`[B, H, C, ...]`)."""
-    k = _l2norm(_apply(spec, "k", start["k"], x))
-    v = _apply(spec, "v", start["v"], x)
-    log_retain = jax.nn.log_sigmoid(_apply(spec, "retain", start["retain"], x, retain_bias))
-    beta = spec.lr_max * jax.nn.sigmoid(_apply(spec, "lr", start["lr"], x, lr_bias))
+    out = {}
+    for n, h in zip(GENERATORS, _first_layers(spec, GENERATORS, start, x)):
+        y = _mm(spec, h, start[n][1])
+        out[n] = y[..., 0] + _bias(n, lr_bias, retain_bias)[:, None] if n in SCALAR_MEMORIES else x + y
+    k = _l2norm(out["k"])
+    log_retain = jax.nn.log_sigmoid(out["retain"])
+    beta = spec.lr_max * jax.nn.sigmoid(out["lr"])
     retain = jnp.exp(log_retain)
     q = _l2norm(_apply(spec, "q", start["q"], q_in)) if spec.adaptive_q else q_in
-    return dict(k=k, v=v, q=q, log_retain=log_retain, retain=retain, beta=beta, lr=beta * retain)
+    return dict(k=k, v=out["v"], q=q, log_retain=log_retain, retain=retain, beta=beta, lr=beta * retain)
 
 
-def _errors(spec: _Spec, name: str, pair, k, v, bias):
-    """At the chunk-start state: h = act(k W_in), the output error e = M_□(k) − v̂_□ and the
-    back-propagated δ = (e W_outᵀ) ⊙ act'(k W_in), so the gradients are hᵀe and kᵀδ."""
-    w_in, w_out = pair
-    h, dh = jax.jvp(spec.act, (_mm(spec, k, w_in),), (jnp.ones(k.shape[:-1] + w_in.shape[-1:], k.dtype),))
-    pred = _mm(spec, h, w_out)
-    if name in SCALAR_MEMORIES:
-        # The bias cancels in e = M(k) − M(v); the target is the memory's own output at v.
-        e = pred - _mm(spec, spec.act(_mm(spec, v, w_in)), w_out)
-    else:
-        target = _apply(spec, name, pair, v) if spec.self_targets else v
-        e = pred + k - target
-    delta = _mm(spec, e, jnp.swapaxes(w_out, -1, -2)) * dh
-    return h, e, delta
+def _errors(spec: _Spec, names, start, k, v):
+    """Per memory at its chunk-start state: h = act(k W_in), the output error e = M_□(k) − v̂_□ and the
+    back-propagated δ = (e W_outᵀ) ⊙ act'(k W_in), so the gradients are hᵀe and kᵀδ. Keys and values
+    go through the stacked input layers of all `names` in one matmul."""
+    c = k.shape[-2]
+    kv = jnp.concatenate([k, v], axis=-2)
+    z = _mm(spec, kv, jnp.concatenate([start[n][0] for n in names], axis=-1))
+    h, dh = jax.jvp(spec.act, (z,), (jnp.ones_like(z),))
+    widths = [start[n][0].shape[-1] for n in names]
+    out = {}
+    for n, hn, dn in zip(names, _split_columns(h, widths), _split_columns(dh, widths)):
+        w_out = start[n][1]
+        y = _mm(spec, hn, w_out)  # [.., 2C, D_out]: at the keys, then at the values
+        if n in SCALAR_MEMORIES:
+            # The bias cancels in e = M(k) − M(v); the target is the memory's own output at v.
+            e = y[..., :c, :] - y[..., c:, :]
+        else:
+            e = y[..., :c, :] + k - ((v + y[..., c:, :]) if spec.self_targets else v)
+        out[n] = (hn[..., :c, :], e, _mm(spec, e, jnp.swapaxes(w_out, -1, -2)) * dn[..., :c, :])
+    return out
 
 
 def _bias(name, lr_bias, retain_bias):
@@ -227,8 +248,9 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
     k, lr, retain = g["k"], g["lr"][..., None], g["retain"][..., None]  # gates [B, H, 1, 1]
     k_col = jnp.swapaxes(k, -1, -2)  # [B, H, D, 1]
     new = {}
+    pieces = _errors(spec, spec.names, start, k, g["v"])
     for n in spec.names:
-        h, e, delta = _errors(spec, n, start[n], k, g["v"], _bias(n, lr_bias, retain_bias))
+        h, e, delta = pieces[n]
         w_in, w_out = state.weights[n]
         step_in = delta + _mm(spec, k, w_in) if spec.dgd else delta
         new[n] = (retain * w_in - lr * _mm(spec, k_col, step_in),
@@ -306,11 +328,11 @@ def _input_values(spec: _Spec, g, dec: _Decay, s, delta):
     return _mm(spec, tinv, rhs - _mm(spec, (beta * dec.eg)[..., None] * k, s))
 
 
-def _write_chunk(spec: _Spec, g, dec, names, start, cur, lr_bias, retain_bias, q=None):
+def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None):
     """Chunk-end weights of `names` from the errors at their chunk-start states (the DGD solve shared
     by all their input layers) and, with q, the memory's read o_t = q_t + act(q_t W_in) W_out at the
     `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention."""
-    pieces = {n: _errors(spec, n, start[n], g["k"], g["v"], _bias(n, lr_bias, retain_bias)) for n in names}
+    pieces = _errors(spec, names, start, g["k"], g["v"])
     u_in = _input_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1),
                          jnp.concatenate([pieces[n][2] for n in names], axis=-1))
     new, out, col = {}, None, 0
@@ -366,7 +388,7 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
             on = live[sl]
             g.update(lr=jnp.where(on, g["lr"], 0.0), beta=jnp.where(on, g["beta"], 0.0),
                      log_retain=jnp.where(on, g["log_retain"], 0.0))
-        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, lr_bias, retain_bias)
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights)
         weights.update(new)
         record(gens, start, sl)
         parts.append(g)
@@ -378,8 +400,7 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
         sl = slice(i * size, (i + 1) * size)
         g = {key: val[:, :, sl] for key, val in gen.items()}
         start = starts(["memory"], i, size)
-        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, lr_bias,
-                              retain_bias, q=g["q"])
+        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"])
         weights.update(new)
         record(["memory"], start, sl)
         outs.append(o)

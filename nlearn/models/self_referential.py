@@ -9,9 +9,8 @@ from __future__ import annotations
 import ml_collections
 
 from nlearn.errors import UserError
+from nlearn.layers.self_referential import SelfReferentialMixer
 from nlearn.models import register
-
-READS = ("after_write", "before_write", "chunk_start")
 
 
 def memory_config(**overrides) -> ml_collections.ConfigDict:
@@ -45,6 +44,7 @@ def _is_int(value) -> bool:
 def validate(config) -> None:
     """Refuse what the op or the layer cannot run, before anything is built."""
     from nlearn.memory.neural_memory import ACTIVATIONS
+    from nlearn.memory.self_referential import READS
 
     mem = config.model.memory
     for key, low in (("chunk_memory", 1), ("chunk_other", 1), ("expansion", 1), ("conv_size", 0)):
@@ -68,8 +68,6 @@ def validate(config) -> None:
 
 
 def _make_mixer(cfg, layer_index, rngs):
-    from nlearn.layers.self_referential import SelfReferentialMixer
-
     return SelfReferentialMixer(cfg, rngs=rngs)
 
 

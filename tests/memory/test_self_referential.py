@@ -12,6 +12,8 @@ import pytest
 
 from nlearn.memory import (
     SelfRefTitansState,
+    gated_delta_rule,
+    neural_memory,
     self_referential_init_state,
     self_referential_titans,
     self_referential_titans_step,
@@ -30,6 +32,13 @@ def run_fast(fn, *args):
     return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
 
 
+def sr_fast(x, q, **kw):
+    """self_referential_titans through `run_fast` (array keyword arguments are traced, others static)."""
+    arrays = {k: v for k, v in kw.items() if k in ("weights0", "lr_bias", "retain_bias", "initial_state")}
+    static = {k: v for k, v in kw.items() if k not in arrays}
+    return run_fast(lambda x, q, arrays: self_referential_titans(x, q, **arrays, **static), x, q, arrays)
+
+
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -46,6 +55,36 @@ def _act(name):
     return f, lambda z: jax.jvp(f, (z,), (jnp.ones_like(z),))[1]
 
 
+EIN = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+
+
+def _mem(n, w, z, bias, f):
+    """M_□(z) for z [B, H, D], w = (W_in [B, H, D, Dh], W_out [B, H, Dh, D_out])."""
+    y = EIN("bhf,bhfo->bho", f(EIN("bhd,bhdf->bhf", z, w[0])), w[1])
+    return y[..., 0] + bias[n] if n in SCALAR else z + y
+
+
+def _unit(z):
+    return z / jnp.sqrt(jnp.sum(z * z, -1, keepdims=True))
+
+
+def _generated(start, xt, bias, f, lr_max=LR_MAX):
+    """k, v, retain, lr of tokens xt [B, H, D] from the generators' states (HOPE.md §1 "Generation")."""
+    k = _unit(_mem("k", start["k"], xt, bias, f))
+    v = _mem("v", start["v"], xt, bias, f)
+    retain = jax.nn.sigmoid(_mem("retain", start["retain"], xt, bias, f))
+    return k, v, retain, lr_max * retain * jax.nn.sigmoid(_mem("lr", start["lr"], xt, bias, f))
+
+
+def dgd_write(cur, k, grad, lr, retain, dgd=True):
+    """W_t = (retain I − lr kᵀk) W_{t−1} − lr·grad (without DGD: retain W_{t−1} − lr·grad); gates [B, H]."""
+    lr, retain = lr[..., None, None], retain[..., None, None]
+    new = retain * cur - lr * grad
+    if dgd:
+        new = new - lr * k[..., :, None] * EIN("bhd,bhdf->bhf", k, cur)[..., None, :]
+    return new
+
+
 def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memory, chunk_other, activation="gelu",
               dgd=True, read="after_write", self_targets=True, adaptive_q=False):
     """o [B, T, H, D] and the final weights; call it under `jax.enable_x64(True)` with float64 inputs."""
@@ -53,45 +92,28 @@ def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memo
     bsz, t_len = x.shape[:2]
     names = ("k", "v", "lr", "retain") + (("q",) if adaptive_q else ()) + ("memory",)
     bias = {"lr": lr_bias, "retain": retain_bias}
-    ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-
-    def mem(n, w, z):  # z [B, H, D]
-        y = ein("bhf,bhfo->bho", f(ein("bhd,bhdf->bhf", z, w[0])), w[1])
-        return y[..., 0] + bias[n] if n in SCALAR else z + y
-
-    def unit(z):
-        return z / jnp.sqrt(jnp.sum(z * z, -1, keepdims=True))
-
     weights = {n: tuple(jnp.broadcast_to(w, (bsz,) + w.shape) for w in weights0[n]) for n in names}
     start, outs = {}, []
     for t in range(t_len):
         for n in names:
             if t % (chunk_memory if n == "memory" else chunk_other) == 0:
                 start[n] = weights[n]
-        xt, qt = x[:, t], q[:, t]
-        k = unit(mem("k", start["k"], xt))
-        v = mem("v", start["v"], xt)
-        retain = jax.nn.sigmoid(mem("retain", start["retain"], xt))[..., None, None]
-        lr = lr_max * retain * jax.nn.sigmoid(mem("lr", start["lr"], xt))[..., None, None]
-        if adaptive_q:
-            qt = unit(mem("q", start["q"], qt))
+        k, v, retain, lr = _generated(start, x[:, t], bias, f, lr_max)
+        qt = _unit(_mem("q", start["q"], q[:, t], bias, f)) if adaptive_q else q[:, t]
         new = {}
         for n in names:
             w_in, w_out = start[n]
-            z = ein("bhd,bhdf->bhf", k, w_in)
-            target = mem(n, start[n], v) if (self_targets or n in SCALAR) else v
-            e = mem(n, start[n], k) - target
+            z = EIN("bhd,bhdf->bhf", k, w_in)
+            target = _mem(n, start[n], v, bias, f) if (self_targets or n in SCALAR) else v
+            e = _mem(n, start[n], k, bias, f) - target
             e = e[..., None] if n in SCALAR else e
-            delta = ein("bho,bhfo->bhf", e, w_out) * df(z)
+            delta = EIN("bho,bhfo->bhf", e, w_out) * df(z)
             g_in = k[..., :, None] * delta[..., None, :]
             g_out = f(z)[..., :, None] * e[..., None, :]
-            cur_in, cur_out = weights[n]
-            new_in = retain * cur_in - lr * g_in
-            if dgd:
-                new_in = new_in - lr * k[..., :, None] * ein("bhd,bhdf->bhf", k, cur_in)[..., None, :]
-            new[n] = (new_in, retain * cur_out - lr * g_out)
+            new[n] = (dgd_write(weights[n][0], k, g_in, lr, retain, dgd),
+                      dgd_write(weights[n][1], None, g_out, lr, retain, False))
         state = {"after_write": new, "before_write": weights, "chunk_start": start}[read]["memory"]
-        outs.append(mem("memory", state, qt))
+        outs.append(_mem("memory", state, qt, bias, f))
         weights = new
     return jnp.stack(outs, axis=1), weights
 
@@ -130,11 +152,6 @@ def op_kwargs(cfg):
                 self_targets=cfg.get("st", True), adaptive_q=cfg.get("aq", False))
 
 
-def ref_kwargs(cfg):
-    kw = op_kwargs(cfg)
-    return kw
-
-
 # ---------------------------------------------------------------------------------------------
 # Recurrent twin vs the reference
 
@@ -151,7 +168,7 @@ def test_recurrent_matches_reference(cfg):
     o, state = run_fast(lambda *a: self_referential_titans(*a[:2], weights0=a[2], lr_bias=a[3], retain_bias=a[4],
                                                            impl="recurrent", **op_kwargs(cfg)), x, q, w0, lb, rb)
     with jax.enable_x64(True):
-        o_ref, w_ref = reference(*f64((x, q, w0, lb, rb)), **ref_kwargs(cfg))
+        o_ref, w_ref = reference(*f64((x, q, w0, lb, rb)), **op_kwargs(cfg))
         o_ref, w_ref = np.asarray(o_ref), jax.tree_util.tree_map(np.asarray, w_ref)
     assert np.all(np.isfinite(o_ref)) and np.abs(np.asarray(o) - np.asarray(q)).max() > 1e-3
     assert rel_err(o - q, o_ref - np.asarray(q)) <= TOL  # the memory's part of o (o = q + ...)
@@ -163,7 +180,7 @@ def test_recurrent_matches_reference(cfg):
 def test_step_equals_sequence_across_both_grids():
     cfg = dict(cm=2, co=4)
     x, q, w0, lb, rb = make_inputs(2, t_len=11)
-    o, _ = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, impl="recurrent", **op_kwargs(cfg))
+    o, _ = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, impl="recurrent", **op_kwargs(cfg))
     step = jax.jit(functools.partial(self_referential_titans_step, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg)))
     state = self_referential_init_state(w0, B)
     outs = []
@@ -199,3 +216,252 @@ def test_bad_shapes_name_the_argument():
         self_referential_titans(x, q, **(kw | dict(weights0=w0 | {"lr": (w0["lr"][0], w0["k"][1])})))
     with pytest.raises(ValueError, match="weights0 must be a dict"):
         self_referential_titans(x, q, **(kw | dict(adaptive_q=True)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked default == recurrent == reference, values and gradients
+
+def cfg_id(cfg):
+    return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+
+
+def _objective(o, state, r_o, r_w):
+    """A scalar that reaches every output and every final weight."""
+    leaves = jax.tree_util.tree_leaves(state)
+    return jnp.sum(o * r_o) + sum(jnp.sum(w * r) for w, r in zip(leaves, jax.tree_util.tree_leaves(r_w)))
+
+
+def _probe(cfg, seed=3):
+    x, q, w0, lb, rb = make_inputs(seed, t_len=GRAD_T, adaptive_q=cfg.get("aq", False))
+    rng = np.random.default_rng(seed + 100)
+    r_o = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    r_w = jax.tree_util.tree_map(lambda w: jnp.asarray(rng.normal(size=(B,) + w.shape), jnp.float32), w0)
+    return (x, q, w0, lb, rb), r_o, r_w
+
+
+def op_grads(cfg, impl):
+    args, r_o, r_w = _probe(cfg)
+
+    def loss(x, q, w0, lb, rb):
+        o, st = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, impl=impl, **op_kwargs(cfg))
+        return _objective(o, st, r_o, r_w), o
+
+    (_, o), g = run_fast(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True), *args)
+    return o, g
+
+
+def ref_grads(cfg):
+    args, r_o, r_w = _probe(cfg)
+    with jax.enable_x64(True):
+        def loss(*a):
+            o, st = reference(*a, **op_kwargs(cfg))
+            return _objective(o, st, f64(r_o), f64(r_w)), o
+
+        (_, o), g = jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True)(*f64(args))
+        return np.asarray(o), jax.tree_util.tree_map(np.asarray, g)
+
+
+def assert_grads_close(got, want, tol=TOL):
+    names = ["x", "q", "weights0", "lr_bias", "retain_bias"]
+    for name, a, b in zip(names, got, want):
+        paths = jax.tree_util.tree_leaves_with_path(b)
+        for (path, bb), aa in zip(paths, jax.tree_util.tree_leaves(a)):
+            assert np.linalg.norm(bb) > 0, f"zero reference gradient {name}{jax.tree_util.keystr(path)}"
+            assert rel_err(aa, bb) <= tol, f"grad {name}{jax.tree_util.keystr(path)}: {rel_err(aa, bb):.2e}"
+
+
+GRAD_T = 11  # divides no chunk size used here
+GRAD_CFGS = [
+    dict(cm=2, co=4),  # memory chunks inside the generators' chunks
+    dict(cm=4, co=2, read="before_write", dgd=False, st=False),
+    dict(cm=4, co=4, read="chunk_start", aq=True),
+]
+# The default suite checks two configurations; the third and the full sweep are slow.
+GRAD_PARAMS = GRAD_CFGS[:2] + [pytest.param(GRAD_CFGS[2], marks=pytest.mark.slow)]
+SWEEP = [dict(cm=cm, co=co, read=r, dgd=d, st=s) for (cm, co) in ((2, 4), (4, 4), (4, 2))
+         for r in ("after_write", "before_write", "chunk_start") for d in (True, False) for s in (True, False)]
+
+
+@pytest.mark.parametrize("cfg", GRAD_PARAMS, ids=cfg_id)
+def test_chunked_matches_reference_values_and_gradients(cfg):
+    o, g = op_grads(cfg, "chunked")
+    o_ref, g_ref = ref_grads(cfg)
+    q = np.asarray(_probe(cfg)[0][1])
+    assert rel_err(np.asarray(o) - q, o_ref - q) <= TOL
+    assert_grads_close(g, g_ref)
+
+
+@pytest.mark.slow
+def test_recurrent_gradients_match_chunked():
+    cfg = GRAD_CFGS[1]
+    _, g_c = op_grads(cfg, "chunked")
+    _, g_r = op_grads(cfg, "recurrent")
+    for a, b in zip(jax.tree_util.tree_leaves(g_r), jax.tree_util.tree_leaves(g_c)):
+        assert rel_err(a, b) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", SWEEP, ids=cfg_id)
+def test_sweep_chunked_recurrent_reference(cfg):
+    o_c, g_c = op_grads(cfg, "chunked")
+    o_r, g_r = op_grads(cfg, "recurrent")
+    o_ref, g_ref = ref_grads(cfg)
+    q = np.asarray(_probe(cfg)[0][1])
+    for o in (o_c, o_r):
+        assert rel_err(np.asarray(o) - q, o_ref - q) <= TOL
+    assert_grads_close(g_c, g_ref)
+    assert_grads_close(g_r, g_ref)
+
+
+def test_every_initial_state_gets_a_gradient():
+    """Full backprop: each memory's meta-learned initial weights (both layers) and both biases move the
+    output alone (no loss on the final state), so none is cut off from learning."""
+    cfg = dict(cm=2, co=4, aq=True)
+    x, q, w0, lb, rb = make_inputs(5, adaptive_q=True)
+    r_o = jnp.asarray(np.random.default_rng(9).normal(size=x.shape), jnp.float32)
+
+    def loss(w0, lb, rb):
+        o = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))[0]
+        return jnp.sum(o * r_o)
+
+    g_w, g_lb, g_rb = run_fast(jax.grad(loss, argnums=(0, 1, 2)), w0, lb, rb)
+    for n, pair in g_w.items():
+        for layer, g in zip(("W_in", "W_out"), pair):
+            assert float(jnp.linalg.norm(g)) > 1e-6 * float(jnp.linalg.norm(w0[n][0])), f"{n} {layer}"
+    assert float(jnp.min(jnp.abs(g_lb))) > 0 and float(jnp.min(jnp.abs(g_rb))) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Identities of HOPE.md §1
+
+def test_chunk_size_one_is_eqs_86_to_88():
+    """Chunk sizes 1: every memory generates, targets and takes its gradient at θ_{t−1}, and
+    read="before_write" reads M_memory,t−1(q_t): eqs. 86-88 token by token."""
+    cfg = dict(cm=1, co=1, read="before_write")
+    x, q, w0, lb, rb = make_inputs(6, t_len=9)
+    o = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))[0]
+    with jax.enable_x64(True):
+        o_ref = np.asarray(reference(*f64((x, q, w0, lb, rb)), **op_kwargs(cfg))[0])
+    assert rel_err(np.asarray(o - q), o_ref - np.asarray(q)) <= TOL
+
+
+def test_linear_memory_dgd_is_gated_delta_rule():
+    """A linear memory M(z) = z W with DGD, chunk size 1 and ½-L2 loss is gated_delta_rule with a = retain,
+    β = 2·lr/retain and values retain·v̂/2 (checked on the DGD write `dgd_write` the reference uses)."""
+    rng = np.random.default_rng(7)
+    t_len, dv = 12, 5
+    k = rng.normal(size=(B, t_len, H, D))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    vhat = rng.normal(size=(B, t_len, H, dv))
+    retain = rng.uniform(0.8, 1.0, size=(B, t_len, H))
+    lr = LR_MAX * retain * rng.uniform(0.0, 1.0, size=(B, t_len, H))
+    w = 0.3 * rng.normal(size=(B, H, D, dv))
+    with jax.enable_x64(True):
+        cur, outs = jnp.asarray(w), []
+        for t in range(t_len):
+            kt = jnp.asarray(k[:, t])
+            grad = kt[..., :, None] * (EIN("bhd,bhdv->bhv", kt, cur) - vhat[:, t])[..., None, :]
+            cur = dgd_write(cur, kt, grad, jnp.asarray(lr[:, t]), jnp.asarray(retain[:, t]))
+            outs.append(EIN("bhd,bhdv->bhv", kt, cur))
+        cur, outs = np.asarray(cur), np.stack(outs, 1)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    o, s = gated_delta_rule(f32(k), f32(k), f32(retain[..., None] * vhat / 2), f32(2 * lr / retain),
+                            f32(np.log(retain)), initial_state=f32(w), impl="recurrent")
+    assert rel_err(s, cur) <= TOL and rel_err(o, outs) <= TOL
+    o, s = gated_delta_rule(f32(k), f32(k), f32(retain[..., None] * vhat / 2), f32(2 * lr / retain),
+                            f32(np.log(retain)), initial_state=f32(w), chunk_size=4)
+    assert rel_err(s, cur) <= TOL and rel_err(o, outs) <= TOL
+
+
+def _fixed_generators(x, w0, lb, rb, f):
+    """k, v, retain, lr of every token from the initial generator weights (chunk_other ≥ T), [B, T, H, ...]."""
+    start = {n: tuple(jnp.broadcast_to(w, (x.shape[0],) + w.shape) for w in w0[n]) for n in w0}
+    outs = [_generated(start, x[:, t], {"lr": lb, "retain": rb}, f) for t in range(x.shape[1])]
+    return [jnp.stack(z, 1) for z in zip(*outs)]
+
+
+def test_input_layer_is_gated_delta_rule():
+    """With both chunks ≥ T every error is taken at the initial weights, and each memory's input layer
+    is gated_delta_rule(a = retain, β = lr/retain, values −retain·δ) from W_in,0."""
+    cfg = dict(cm=32, co=32)
+    x, q, w0, lb, rb = make_inputs(8)
+    _, state = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    f, df = _act("gelu")
+    deltas = {}
+    with jax.enable_x64(True):
+        x64, w64, lb64, rb64 = f64((x, w0, lb, rb))
+        k, v, retain, lr = _fixed_generators(x64, w64, lb64, rb64, f)
+        for n in ("k", "retain", "memory"):
+            w_in, w_out = (jnp.broadcast_to(w, (B,) + w.shape) for w in w64[n])
+            z = jnp.einsum("bthd,bhdf->bthf", k, w_in)
+            pred = jnp.einsum("bthf,bhfo->btho", f(z), w_out)
+            target = jnp.einsum("bthf,bhfo->btho", f(jnp.einsum("bthd,bhdf->bthf", v, w_in)), w_out)
+            e = pred - target if n in SCALAR else pred + k - (v + target)
+            deltas[n] = np.asarray(jnp.einsum("btho,bhfo->bthf", e, w_out) * df(z))
+        k, retain, lr = (np.asarray(a) for a in (k, retain, lr))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    for n, delta in deltas.items():
+        w_in = jnp.broadcast_to(w0[n][0], (B,) + w0[n][0].shape)
+        _, s = gated_delta_rule(f32(k), f32(k), f32(-retain[..., None] * delta), f32(lr / retain),
+                                f32(np.log(retain)), initial_state=w_in, chunk_size=8)
+        assert rel_err(state[n][0], s) <= TOL, n
+
+
+def test_memory_reduces_to_neural_memory():
+    """chunk_other ≥ T, no self-targets, no DGD, read after write: the memory is neural_memory (residual,
+    sgd, l2, mini-batch chunk_memory) on the generated k, v with lr and decay = 1 − retain."""
+    cfg = dict(cm=4, co=32, st=False, dgd=False)
+    x, q, w0, lb, rb = make_inputs(9)
+    o, state = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    f, _ = _act("gelu")
+    with jax.enable_x64(True):
+        k, v, retain, lr = (np.asarray(a) for a in _fixed_generators(*f64((x, w0, lb, rb)), f))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    o_nm, (theta, _) = neural_memory(q, f32(k), f32(v), lr=f32(lr), decay=f32(1 - retain), weights0=w0["memory"],
+                                     residual=True, optimizer="sgd", objective="l2", minibatch=4)
+    assert rel_err(o - q, o_nm - q) <= TOL
+    assert rel_err(state["memory"][1], theta[1]) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Causality, streaming, decoding
+
+def test_causal():
+    cfg = dict(cm=2, co=4)
+    x, q, w0, lb, rb = make_inputs(10)
+    def run(x, q):
+        return sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))[0]
+
+    o = run(x, q)
+    cut = 10  # inside a chunk of both grids
+    o2 = run(x.at[:, cut:].add(1.0), q.at[:, cut:].multiply(-1.0))
+    np.testing.assert_array_equal(np.asarray(o[:, :cut]), np.asarray(o2[:, :cut]))
+    assert float(jnp.abs(o[:, cut:] - o2[:, cut:]).max()) > 1e-3
+
+
+@pytest.mark.parametrize("split", [8, 7])
+def test_stream_split_continues_exactly(split):
+    """Split on a boundary of both grids (the weights dict resumes) and inside a chunk (the stream state)."""
+    cfg = dict(cm=2, co=4)
+    x, q, w0, lb, rb = make_inputs(11)
+    kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    o, state = sr_fast(x, q, weights0=w0, **kw)
+    o1, st1 = sr_fast(x[:, :split], q[:, :split], weights0=w0, return_stream_state=split % 4 != 0, **kw)
+    o2, st2 = sr_fast(x[:, split:], q[:, split:], initial_state=st1, **kw)
+    assert rel_err(jnp.concatenate([o1, o2], 1) - q, o - q) <= 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(st2), jax.tree_util.tree_leaves(state)):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_decode_after_chunked_prefill_equals_full_sequence():
+    cfg = dict(cm=2, co=4)
+    x, q, w0, lb, rb = make_inputs(12, t_len=13)
+    kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    o, _ = sr_fast(x, q, weights0=w0, **kw)
+    _, state = sr_fast(x[:, :5], q[:, :5], weights0=w0, return_stream_state=True, **kw)
+    step = jax.jit(functools.partial(self_referential_titans_step, **kw))
+    outs = []
+    for t in range(5, x.shape[1]):
+        o_t, state = step(x[:, t], q[:, t], state=state)
+        outs.append(o_t)
+    assert rel_err(jnp.stack(outs, 1) - q[:, 5:], o[:, 5:] - q[:, 5:]) <= 1e-5
