@@ -18,13 +18,15 @@ from nlearn.models.lm import LanguageModel, MixerFactory
 class Family:
     make_mixer: MixerFactory
     validate: Optional[Callable] = None  # (config) -> None, raises UserError
+    model: Optional[Callable] = None  # (model_cfg, make_mixer, rngs=) -> model; default LanguageModel
 
 
 FAMILIES: dict[str, Family] = {}
 
 
-def register(name: str, make_mixer: MixerFactory, validate: Optional[Callable] = None) -> None:
-    FAMILIES[name] = Family(make_mixer, validate)
+def register(name: str, make_mixer: MixerFactory, validate: Optional[Callable] = None,
+             model: Optional[Callable] = None) -> None:
+    FAMILIES[name] = Family(make_mixer, validate, model)
 
 
 def validate_config(config) -> None:
@@ -45,7 +47,7 @@ def build(config, rngs: Optional[nnx.Rngs] = None) -> LanguageModel:
     family = FAMILIES[config.model.family]
     rngs = rngs if rngs is not None else nnx.Rngs(params=config.train.seed)
     with nnx.use_eager_sharding(False):  # placement happens in the trainer, by the rules table
-        return LanguageModel(config.model, family.make_mixer, rngs=rngs)
+        return (family.model or LanguageModel)(config.model, family.make_mixer, rngs=rngs)
 
 
 def count_params(config) -> int:
@@ -63,3 +65,4 @@ from nlearn.models import transformer  # noqa: E402,F401  (registers the familie
 from nlearn.models import recurrent  # noqa: E402,F401
 from nlearn.models import titans  # noqa: E402,F401
 from nlearn.models import self_referential  # noqa: E402,F401
+from nlearn.models import hope  # noqa: E402,F401

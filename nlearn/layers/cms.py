@@ -1,0 +1,106 @@
+"""The Continuum Memory System (HOPE.md §2): a chain of pre-norm residual SwiGLU levels whose
+weights `θ_ℓ = θ_ℓ,0 + Δ_ℓ` keep learning in context, level ℓ every `C_ℓ` tokens.
+
+`θ_ℓ,0` are parameters (the outer optimizer learns them); `Δ_ℓ` is per-sequence state that the
+model (`nlearn.models.hope`) carries. The update math is pure functions over plain pytrees:
+a level's `Δ` is `{"gate", "up", "down"}` with the kernels' shapes and a leading batch axis (and,
+in the parallel pass, a leading segment axis: one `Δ` per period of the level).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nlearn.layers.core import RMSNorm, SwiGLU
+
+UPDATES = ("ntp", "none")  # "ntp": Δ learns by the next-token loss; "none": a static chain
+ORDERS = ("fast_first", "slow_first")  # the order the levels apply in, by period
+KERNELS = ("gate", "up", "down")
+
+
+def swiglu_with_delta(w0: dict, delta: dict | None, z):
+    """`(silu(z Wg) * z Wu) Wd` with `W = W0 + Δ`. `z [..., T, D]`; `w0` kernels `[D, F]` /
+    `[F, D]`; `delta` kernels with the leading dims of `z` before T (`[..., D, F]`), or None."""
+
+    def mm(a, name):
+        y = a @ w0[name].astype(a.dtype)
+        if delta is not None:
+            y = y + jnp.einsum("...td,...df->...tf", a, delta[name].astype(a.dtype))
+        return y
+
+    return mm(jax.nn.silu(mm(z, "gate")) * mm(z, "up"), "down")
+
+
+def segment_apply(fn, z_BTD, delta_NB, period: int):
+    """Apply `fn(z [B, N, P, D], delta [B, N, ...]) -> [B, N, P, D']` with segment n of `period`
+    tokens using `delta_NB[n]` (leaves `[N, B, ...]`); T is padded up to N * period and cut back."""
+    b, t, d = z_BTD.shape
+    n = delta_NB[KERNELS[0]].shape[0]
+    if n * period < t:
+        raise ValueError(f"delta has {n} segments of {period} tokens, fewer than the {t} tokens of z")
+    z = jnp.pad(z_BTD, ((0, 0), (0, n * period - t), (0, 0))).reshape(b, n, period, d)
+    y = fn(z, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), delta_NB))
+    return y.reshape(b, n * period, -1)[:, :t]
+
+
+def accumulate_and_update(delta: list, gsum: list, grads: list, *, lrs, periods, pos):
+    """One chunk's gradients in: `gsum += grads`; every level whose period divides `pos` (the
+    number of tokens seen, a chunk boundary) takes `Δ ← Δ − lr Σ∇` and restarts its sum.
+    `delta`, `gsum`, `grads`: lists over levels of `{kernel: [B, ...]}`. Returns `(delta, gsum)`."""
+    new_delta, new_gsum = [], []
+    for d, s, g, lr, period in zip(delta, gsum, grads, lrs, periods):
+        s = jax.tree.map(jnp.add, s, g)
+        boundary = (pos % period) == 0
+        new_delta.append(jax.tree.map(lambda x, y: jnp.where(boundary, x - lr * y, x), d, s))
+        new_gsum.append(jax.tree.map(lambda y: jnp.where(boundary, jnp.zeros_like(y), y), s))
+    return new_delta, new_gsum
+
+
+class CMSLevel(nnx.Module):
+    """One level: `h + SwiGLU_{θ0 + Δ}(RMSNorm(h))`."""
+
+    def __init__(self, d_model: int, width: int, *, eps: float, std: float, out_std: float, rngs: nnx.Rngs):
+        self.norm = RMSNorm(d_model, eps=eps, rngs=rngs)
+        self.mlp = SwiGLU(d_model, width, std=std, out_std=out_std, rngs=rngs)
+
+    def weights0(self) -> dict:
+        return {name: getattr(self.mlp, name).kernel[...] for name in KERNELS}
+
+    def zero_delta(self, batch: int) -> dict:
+        return {name: jnp.zeros((batch,) + w.shape, jnp.float32) for name, w in self.weights0().items()}
+
+    def __call__(self, h_BTD, delta=None, period: int | None = None):
+        """`delta`: None (static), `{kernel: [B, ...]}` for all T tokens, or `{kernel: [N, B, ...]}`
+        with one Δ per `period` tokens."""
+        z = self.norm(h_BTD)
+        w0 = self.weights0()
+        if delta is None or period is None:
+            y = swiglu_with_delta(w0, delta, z)
+        else:
+            y = segment_apply(lambda zz, dd: swiglu_with_delta(w0, dd, zz), z, delta, period)
+        return h_BTD + y
+
+
+class ContinuumMemory(nnx.Module):
+    """K levels applied in `order` (fast_first: increasing period); `periods[i]`, `widths[i]`,
+    `lrs[i]` describe the level applied i-th."""
+
+    def __init__(self, d_model: int, *, periods, widths, lrs, order: str = "fast_first", eps: float,
+                 std: float, out_std: float, rngs: nnx.Rngs):
+        idx = sorted(range(len(periods)), key=lambda i: periods[i], reverse=order == "slow_first")
+        self.periods = tuple(int(periods[i]) for i in idx)
+        self.lrs = tuple(float(lrs[i]) for i in idx)
+        self.levels = nnx.List([CMSLevel(d_model, int(widths[i]), eps=eps, std=std, out_std=out_std, rngs=rngs)
+                                for i in idx])
+
+    def zero_delta(self, batch: int) -> list:
+        return [level.zero_delta(batch) for level in self.levels]
+
+    def __call__(self, h_BTD, deltas=None, segmented: bool = False):
+        """`deltas`: None, or a list over levels (segmented: leaves `[N_ℓ, B, ...]`, one per period)."""
+        for i, level in enumerate(self.levels):
+            d = None if deltas is None else deltas[i]
+            h_BTD = level(h_BTD, d, self.periods[i] if segmented else None)
+        return h_BTD

@@ -1,0 +1,250 @@
+"""Family `hope` (HOPE.md §2-3): a mixer (self-referential Titans, or causal attention for
+Hope-Attention) followed by a Continuum Memory System whose levels keep learning in context.
+
+    h = x + mixer(Norm(x));   for each CMS level ℓ: h = h + MLP_{θℓ,0 + Δℓ}(Norm_ℓ(h))
+
+With `cms.update="ntp"` the forward takes the inputs `[B, T]` only and does both passes itself
+(the next-token target of input t is input t+1, so the trainer stays as it is):
+1. `adapt`: a scan over chunks of `min C_ℓ` tokens through the whole model with the decoding
+   state; each chunk's summed next-token loss is differentiated w.r.t. `Δ` (the state carried in
+   from earlier chunks a constant), the gradients are summed per level and applied at each level's
+   boundary. The parameters enter under `stop_gradient`: `Δ` is a constant to the outer loss.
+2. the ordinary parallel forward, every level using the `Δ` of its period.
+The window's last chunk is never differentiated: its gradients would only reach later windows.
+Decoding carries `Δ`, the running sums, the current chunk's tokens and the decoding state at its
+start; when the token after a chunk arrives it supplies the last target, the chunk's gradient is
+taken from that saved state, and the levels at a boundary update (constant memory per token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from nlearn.errors import UserError
+from nlearn.layers.cms import ORDERS, UPDATES, ContinuumMemory, accumulate_and_update
+from nlearn.layers.core import Dense, Embed, RMSNorm, swiglu_width
+from nlearn.models import register
+from nlearn.models.lm import LanguageModel
+
+MIXERS = ("self_referential", "attention")
+
+
+def cms_config(**overrides) -> ml_collections.ConfigDict:
+    """The `model.cms` section (HOPE.md §2); one entry per level in `periods`, `lr`, `widths`."""
+    c = ml_collections.ConfigDict()
+    c.periods = (16, 64, 256)  # tokens between updates of each level (each a multiple of the smallest)
+    c.lr = (1e-3, 1e-3, 1e-3)  # Δ ← Δ − lr Σ∇ℓ_NTP over the level's last period (summed, not averaged)
+    c.widths = ()  # SwiGLU hidden width per level; (): the Transformer++ width split evenly across levels
+    c.order = "fast_first"  # or "slow_first" (the paper's notation)
+    c["update"] = "ntp"  # or "none": a static chain of MLPs (read it as cms["update"]: ConfigDict has .update)
+    c.update(overrides)
+    return c
+
+
+def hope_config(**overrides) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.mixer = "self_referential"  # or "attention" (Hope-Attention)
+    c.update(overrides)
+    return c
+
+
+def level_widths(cfg) -> tuple:
+    """`cms.widths`, or the SwiGLU width of `mlp_dim` split as evenly as possible over the levels."""
+    if cfg.cms.widths:
+        return tuple(int(w) for w in cfg.cms.widths)
+    total, k = swiglu_width(cfg.d_model, cfg.mlp_dim), len(cfg.cms.periods)
+    return tuple(total // k + (i < total % k) for i in range(k))
+
+
+def _fail(key: str, value, why: str):
+    raise UserError(f"invalid config value model.{key}={value!r}: {why}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(config) -> None:
+    """Refuse what the CMS or the mixer cannot run, in one line naming the key."""
+    from nlearn.models import self_referential, transformer
+
+    model = config.model
+    cms = model.cms
+    periods = cms.periods
+    if not isinstance(periods, (tuple, list)) or not periods or not all(_is_int(p) and p >= 1 for p in periods):
+        _fail("cms.periods", periods, "must be a non-empty tuple of integers >= 1")
+    if any(p % min(periods) for p in periods):
+        _fail("cms.periods", periods, f"every period must be a multiple of the smallest ({min(periods)})")
+    k = len(periods)
+    if (not isinstance(cms.lr, (tuple, list)) or len(cms.lr) != k
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in cms.lr)):
+        _fail("cms.lr", cms.lr, f"must be a tuple of {k} numbers >= 0 (one per period)")
+    if not isinstance(cms.widths, (tuple, list)) or (
+            cms.widths and (len(cms.widths) != k or not all(_is_int(w) and w >= 1 for w in cms.widths))):
+        _fail("cms.widths", cms.widths, f"must be () or a tuple of {k} integers >= 1 (one per period)")
+    if cms.order not in ORDERS:
+        _fail("cms.order", cms.order, f"valid choices: {', '.join(ORDERS)}")
+    if cms["update"] not in UPDATES:
+        _fail("cms.update", cms["update"], f"valid choices: {', '.join(UPDATES)}")
+    if model.hope.mixer not in MIXERS:
+        _fail("hope.mixer", model.hope.mixer, f"valid choices: {', '.join(MIXERS)}")
+    if model.hope.mixer == "self_referential":
+        self_referential.validate(config)
+    else:
+        transformer.validate(config)
+
+
+def _make_mixer(cfg, layer_index: int, rngs):
+    if cfg.hope.mixer == "attention":
+        from nlearn.models.transformer import make_attention
+
+        return make_attention(cfg, layer_index, rngs)
+    from nlearn.layers.self_referential import SelfReferentialMixer
+
+    return SelfReferentialMixer(cfg, rngs=rngs)
+
+
+class HopeBlock(nnx.Module):
+    """`h = x + mixer(Norm(x))`, then the CMS levels, each a pre-norm residual SwiGLU."""
+
+    def __init__(self, cfg, mixer: nnx.Module, *, rngs: nnx.Rngs):
+        k = len(cfg.cms.periods)
+        self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.mixer = mixer
+        self.cms = ContinuumMemory(cfg.d_model, periods=cfg.cms.periods, widths=level_widths(cfg), lrs=cfg.cms.lr,
+                                   order=cfg.cms.order, eps=cfg.norm_eps, std=cfg.init_std,
+                                   out_std=cfg.init_std / math.sqrt((k + 1) * cfg.num_layers), rngs=rngs)
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        return self.mixer.init_cache(batch, max_len, dtype)
+
+    def __call__(self, x_BTD, cache=None, deltas=None, segmented: bool = False):
+        y, cache = self.mixer(self.mixer_norm(x_BTD), cache)
+        return self.cms(x_BTD + y, deltas, segmented), cache
+
+
+class HopeModel(LanguageModel):
+    """Tokens `[B, T]` -> logits `[B, T, V]`, with the CMS learning in context (module docstring).
+
+    `Δ` pytrees are lists over blocks of lists over levels (in application order) of
+    `{"gate", "up", "down": [B, ...]}`."""
+
+    def __init__(self, cfg, make_mixer, *, rngs: nnx.Rngs):
+        self.remat = cfg.remat
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
+        self.blocks = nnx.List([HopeBlock(cfg, make_mixer(cfg, i, rngs), rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.head = None if cfg.tie_embeddings else Dense(
+            cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), std=cfg.init_std, rngs=rngs)
+        self.update = cfg.cms["update"]
+        self.chunk = min(cfg.cms.periods)
+
+    def run(self, tokens_BT, caches=None, deltas=None, segmented: bool = False):
+        """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period)."""
+        x = self.embed(tokens_BT, self.embed.table[...].dtype)
+        new_caches = []
+        for i, block in enumerate(self.blocks):
+            x, cache = block(x, None if caches is None else caches[i], None if deltas is None else deltas[i],
+                             segmented)
+            new_caches.append(cache)
+        return self._logits(x), new_caches
+
+    def zero_delta(self, batch: int) -> list:
+        return [block.cms.zero_delta(batch) for block in self.blocks]
+
+    def chunk_grads(self, tokens_BC, targets_BC, caches, deltas):
+        """`(∇_Δ Σ_t ℓ_NTP(t), caches after the chunk)`: the chunk read from `caches` (a constant)."""
+
+        def loss(d):
+            logits, new_caches = self.run(tokens_BC, caches, d)
+            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets_BC)), new_caches
+
+        return jax.grad(loss, has_aux=True)(deltas)
+
+    def learn(self, deltas, gsums, grads, pos):
+        """Add one chunk's gradients; levels whose period divides `pos` (tokens seen) update."""
+        out = [accumulate_and_update(d, s, g, lrs=block.cms.lrs, periods=block.cms.periods, pos=pos)
+               for block, d, s, g in zip(self.blocks, deltas, gsums, grads)]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    def adapt(self, tokens_BT):
+        """Pass 1: the `Δ` each chunk of `self.chunk` tokens uses, leaves `[n_chunks, B, ...]`,
+        a constant to the outer loss (the parameters enter under stop_gradient)."""
+        b, t = tokens_BT.shape
+        c = self.chunk
+        n = -(-t // c)
+        graphdef, state = nnx.split(self)
+        frozen = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, state))
+        delta0 = frozen.zero_delta(b)
+        if n == 1:
+            return jax.tree.map(lambda d: d[None], delta0)
+        m = (n - 1) * c  # the chunks whose gradients reach a later chunk of this window
+        xs = jnp.swapaxes(tokens_BT[:, :m].reshape(b, n - 1, c), 0, 1)
+        ys = jnp.swapaxes(tokens_BT[:, 1:m + 1].reshape(b, n - 1, c), 0, 1)
+
+        def body(carry, inp):
+            caches, deltas, gsums = carry
+            i, x, y = inp
+            grads, caches = frozen.chunk_grads(x, y, caches, deltas)
+            deltas, gsums = frozen.learn(deltas, gsums, grads, (i + 1) * c)
+            return (caches, deltas, gsums), deltas
+
+        caches = frozen.init_mixer_caches(b, m)
+        _, later = jax.lax.scan(body, (caches, delta0, delta0), (jnp.arange(n - 1, dtype=jnp.int32), xs, ys))
+        return jax.tree.map(lambda d0, ds: jnp.concatenate([d0[None], ds]), delta0, later)
+
+    def per_period(self, chunk_deltas) -> list:
+        """Per-chunk `Δ` -> per level one `Δ` per period (`[N_ℓ, B, ...]`)."""
+        c = self.chunk
+        return [[jax.tree.map(lambda x, s=p // c: x[::s], level) for level, p in zip(block_d, block.cms.periods)]
+                for block, block_d in zip(self.blocks, chunk_deltas)]
+
+    def __call__(self, tokens_BT):
+        if self.update == "none":
+            return self.run(tokens_BT)[0]
+        return self.run(tokens_BT, deltas=self.per_period(self.adapt(tokens_BT)), segmented=True)[0]
+
+    def init_mixer_caches(self, batch: int, max_len: int, dtype=None):
+        dtype = dtype or self.embed.table[...].dtype
+        return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """The mixers' caches; with updates also `Δ`, the running sums, the current chunk's tokens
+        and the mixers' caches at its start (all of a size independent of the stream's length)."""
+        caches = self.init_mixer_caches(batch, max_len, dtype)
+        if self.update == "none":
+            return caches
+        zero = self.zero_delta(batch)
+        return {"mix": caches, "start": caches, "buf": jnp.zeros((batch, self.chunk), jnp.int32),
+                "pos": jnp.zeros((), jnp.int32), "delta": zero, "gsum": zero}
+
+    def decode(self, tokens_BT, cache):
+        """Feed `tokens [B, T]` after what `cache` holds, learning as the full forward does."""
+        if self.update == "none":
+            return self.run(tokens_BT, cache)
+        c = self.chunk
+
+        def learn_previous_chunk(cache, tok_B):
+            targets = jnp.concatenate([cache["buf"][:, 1:], tok_B[:, None]], axis=1)
+            grads, _ = self.chunk_grads(cache["buf"], targets, cache["start"], cache["delta"])
+            delta, gsum = self.learn(cache["delta"], cache["gsum"], grads, cache["pos"])
+            return dict(cache, delta=delta, gsum=gsum, start=cache["mix"])
+
+        def step(cache, tok_B):
+            pos = cache["pos"]
+            cache = jax.lax.cond((pos > 0) & (pos % c == 0), learn_previous_chunk, lambda cc, _: cc, cache, tok_B)
+            logits, mix = self.run(tok_B[:, None], cache["mix"], cache["delta"])
+            buf = cache["buf"].at[:, pos % c].set(tok_B)
+            return dict(cache, mix=mix, buf=buf, pos=pos + 1), logits[:, 0]
+
+        cache, logits = jax.lax.scan(step, cache, jnp.swapaxes(tokens_BT, 0, 1))
+        return jnp.swapaxes(logits, 0, 1), cache
+
+
+register("hope", _make_mixer, validate, model=HopeModel)

@@ -1,0 +1,171 @@
+"""Family `hope`: the two-pass CMS step against a plain chunk-by-chunk reference, the outer gradient
+with Δ a constant, causality, decoding that learns, config validation and preset sizes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import hope as hope_config
+import transformer as transformer_config
+from nlearn import models
+from nlearn.config import validate
+from nlearn.errors import UserError
+from test_model import jitted
+
+VOCAB, C = 61, 4  # C: the shortest period (the pass-1 chunk)
+
+
+def small(mixer="attention", **cms):
+    config = hope_config.get_config("tiny")
+    with config.unlocked():
+        config.data.vocab_size = VOCAB
+        config.model.update(dict(d_model=32, num_layers=2, num_heads=2))
+        config.model.cms.update(dict(periods=(C, 2 * C), lr=(0.5, 0.3)), **cms)
+        config.model.hope.mixer = mixer
+    return config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.build(small())
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(0), (2, 19), 0, VOCAB)  # 19: a partial last chunk
+
+
+def mean_ntp(logits, tokens):
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]))
+
+
+def sequential_reference(model, tokens):
+    """Walk the window chunk by chunk through the decoding path; each chunk's summed NTP loss is
+    differentiated w.r.t. Δ with `jax.grad`; a level steps `Δ -= lr Σ∇` when its period divides
+    the tokens seen. Returns the Δ each chunk used and the logits."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def chunk(state, x, y, caches, delta):
+        def loss(d):
+            logits, new = nnx.merge(graphdef, state).run(x, caches, d)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :y.shape[1]], y)
+            return jnp.sum(ce), (logits, new)
+
+        return jax.grad(loss, has_aux=True)(delta)
+
+    b, t = tokens.shape
+    caches, delta = model.init_mixer_caches(b, t), model.zero_delta(b)
+    gsum = model.zero_delta(b)
+    used, logits = [], []
+    for start in range(0, t, C):
+        used.append(delta)
+        x, y = tokens[:, start:start + C], tokens[:, start + 1:start + C + 1]
+        grads, (lg, caches) = chunk(state, x, y, caches, delta)
+        logits.append(lg)
+        pos = start + x.shape[1]
+        delta, gsum = [list(d) for d in delta], [list(s) for s in jax.tree.map(jnp.add, gsum, grads)]
+        for i, block in enumerate(model.blocks):
+            for j, (period, lr) in enumerate(zip(block.cms.periods, block.cms.lrs)):
+                if pos % period == 0:
+                    delta[i][j] = jax.tree.map(lambda d, s: d - lr * s, delta[i][j], gsum[i][j])
+                    gsum[i][j] = jax.tree.map(jnp.zeros_like, gsum[i][j])
+    return used, jnp.concatenate(logits, axis=1)
+
+
+def test_two_pass_step_equals_the_sequential_reference(model, tokens):
+    """Δ of every chunk and the loss (≤ 1e-5 relative, float32); the slow level moves only at its
+    boundaries (tokens 8 and 16), the fast one at every chunk."""
+    used, ref_logits = sequential_reference(model, tokens)
+    adapted = jitted(model, "adapt")(tokens)
+    for i, ref in enumerate(used):
+        for got, want in zip(jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i], adapted)), jax.tree.leaves(ref)):
+            scale = max(float(jnp.abs(want).max()), 1e-30)
+            assert float(jnp.abs(got - want).max()) <= 1e-5 * scale, f"chunk {i}"
+    loss, ref_loss = mean_ntp(jitted(model)(tokens), tokens), mean_ntp(ref_logits, tokens)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    slow = np.asarray(adapted[0][1]["gate"])  # block 0, level of period 2C
+    fast = np.asarray(adapted[0][0]["gate"])
+    for i in range(1, len(used)):
+        assert (not np.array_equal(slow[i], slow[i - 1])) == (i * C % (2 * C) == 0), i
+        assert not np.array_equal(fast[i], fast[i - 1]), i
+
+
+def test_outer_gradient_treats_delta_as_a_constant(model, tokens):
+    graphdef, state = nnx.split(model)
+    fixed = jitted(model, "adapt")(tokens)
+
+    def two_pass(state):
+        return mean_ntp(nnx.merge(graphdef, state)(tokens), tokens)
+
+    def constant_delta(state):
+        m = nnx.merge(graphdef, state)
+        return mean_ntp(m.run(tokens, deltas=m.per_period(fixed), segmented=True)[0], tokens)
+
+    got, want = jax.jit(jax.grad(two_pass))(state), jax.jit(jax.grad(constant_delta))(state)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-7)
+    theta0 = got["blocks"][1]["cms"]["levels"][1]["mlp"]["up"]["kernel"][...]
+    assert float(jnp.abs(theta0).sum()) > 0
+
+
+def test_causal_end_to_end(model, tokens):
+    fwd = jitted(model)
+    logits, p = fwd(tokens), 9  # inside the third chunk: the Δ from tokens < 9 must not move
+    changed = tokens.at[:, p:].set((tokens[:, p:] + 5) % VOCAB)
+    after = fwd(changed)
+    np.testing.assert_allclose(np.asarray(after[:, :p]), np.asarray(logits[:, :p]), atol=1e-6)
+    assert not np.allclose(np.asarray(after[:, p:]), np.asarray(logits[:, p:]))
+
+
+def test_decoding_with_updates_equals_the_full_forward(model, tokens):
+    """A 6-token prompt, then one token at a time: the levels learn on what was seen."""
+    decode = jitted(model, "decode")
+    logits, cache = decode(tokens[:, :6], model.init_cache(2, 19))
+    steps = [logits]
+    for i in range(6, 19):
+        logits, cache = decode(tokens[:, i:i + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(jitted(model)(tokens)), atol=1e-5)
+    assert int(cache["pos"]) == 19
+
+
+def test_updates_change_the_logits_and_none_is_static(model, tokens):
+    static = models.build(small(update="none"))
+    nnx.update(static, nnx.state(model, nnx.Param))
+    a, b = np.asarray(jitted(model)(tokens)), np.asarray(jitted(static)(tokens))
+    np.testing.assert_allclose(a[:, :C], b[:, :C], atol=1e-6)  # the first chunk reads θ0
+    assert not np.allclose(a[:, C:], b[:, C:], atol=1e-4)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("periods", (4, 6), "model.cms.periods"),
+    ("periods", (), "model.cms.periods"),
+    ("lr", (0.1,), "model.cms.lr"),
+    ("widths", (8, 0), "model.cms.widths"),
+    ("order", "sideways", "model.cms.order"),
+    ("update", "sgd", "model.cms.update"),
+])
+def test_bad_cms_values_are_refused_in_one_line(key, value, needle):
+    config = small()
+    with config.unlocked():
+        config.model.cms[key] = value
+    with pytest.raises(UserError, match=needle) as err:
+        validate(config)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_mixer_is_refused():
+    config = small()
+    with config.unlocked():
+        config.model.hope.mixer = "rnn"
+    with pytest.raises(UserError, match="model.hope.mixer"):
+        validate(config)
+
+
+def test_tiny_matches_the_tiny_transformer():
+    n, ref = models.count_params(hope_config.get_config("tiny")), models.count_params(transformer_config.get_config())
+    assert abs(n - ref) / ref <= 0.05, (n, ref)
