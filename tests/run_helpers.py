@@ -10,6 +10,18 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Families whose per-family tests compile for minutes on 2 cores (Hope's two-pass CMS step): they run
+# under `make test-all`, not in the default suite.
+SLOW_FAMILIES = ("hope",)
+
+
+def family_params(families) -> list:
+    """`families` as pytest parameters, the SLOW_FAMILIES marked slow."""
+    import pytest
+
+    return [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in families]
+
+
 def tiny_overrides(cache_dir: str, text_glob: str, **extra) -> list[str]:
     """CLI overrides for a seconds-long run on the small text corpus."""
     values = {
