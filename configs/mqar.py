@@ -97,7 +97,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 # lowers its total at step ~310 (while the WSD is still at its peak) so it ends decayed within 570 s of
 # its start, instead of being stopped at the 10-minute limit at its peak lr. A faster machine trains all
 # 790: longer schedules did not pass more often (README, "How often the preset passes 99%").
-# Since session 12 MAC's memory learns from the segment's tokens x, not x + y (model.mac_memory_input,
+# Since 2026-11-30 MAC's memory learns from the segment's tokens x, not x + y (model.mac_memory_input,
 # configs/titans_mac.py): with y in its input the memory learnt recall across segments far more slowly
 # (loss 5.43 against 3.70 at step 200 on windows where every answer needs it). Pinned to one core,
 # 256 examples: seed 1 95.9% at 790 (x + y: the ~50% plateau), seed 0 88.6% (x + y: 87.3% at 700).
@@ -109,7 +109,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 # budget lowers the total (to ~800 on the slower machine that set 790). On two cores, as `make mqar` runs
 # it: seeds 0-4 99.3% / 60.7% / 99.1% / 99.2% / 99.4% (seed 1 on the ~50% plateau from step 400 to 700):
 # better than the old design's 0 of 3 here, still not reliable. "64x4:150,128x8:300": seeds 1 / 2 98.9% / 98.7%.
-# Since session 13 the forgetting gate starts at 1e-3 (FAMILY_OVERRIDES) and the two-segment stage lasts
+# Since 2026-12-01 the forgetting gate starts at 1e-3 (FAMILY_OVERRIDES) and the two-segment stage lasts
 # 300 steps: with the 150-step stage and the new gate, seed 0 on two cores left the plateau only at
 # step ~700 (95.8%), and the longer stage gave seeds 0-4 99.1% / 99.2% / 98.8% / 99.2% / 99.7% (two cores,
 # 6.3-6.8 minutes each; seed 2 left the plateau early, its errors are spread over the later segments: the

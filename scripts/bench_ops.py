@@ -327,7 +327,7 @@ def acceptance(args) -> str:
 
 
 def selfref_acceptance(args, rng, t: int = 4096) -> str:
-    """Issue 21: the default form's fwd+bwd at T=4096 is >= 8x faster than its recurrent twin and
+    """The self-referential op's bar: the default form's fwd+bwd at T=4096 is >= 8x faster than its recurrent twin and
     <= 4x the time of neural_memory (depth 2, hidden 64, mini-batch 16), all measured here in one run."""
     b, h, d = 1, 4, 64
     by_name = {c.name: c for c in CASES}
@@ -353,7 +353,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="T=1024 only, 3 repetitions")
     p.add_argument("--acceptance", action="store_true", help="also run the acceptance checks")
     p.add_argument("--selfref_acceptance", action="store_true",
-                   help="only the self-referential Titans acceptance check (issue 21)")
+                   help="only the self-referential Titans acceptance check")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max_seconds", type=float, default=10.0, help="timing budget per program")
     p.add_argument("--recurrent_max_len", type=int, default=4096)

@@ -6,7 +6,7 @@ against the same model with `cms.update=none` on the same batch (the two passes 
     python scripts/cms_cost.py --batch=4 --seq_len=128 --n=3 --set=hope.mixer=attention
 
 Times are medians of `--n` steps after a compile and a warm-up (`nlearn.bench.time_fn`), wall and
-CPU; the ratios are what acceptance 3 of issue 23 asks for (ntp <= 3x none).
+CPU; the bar is ntp <= 3x none.
 """
 
 from __future__ import annotations

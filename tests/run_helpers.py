@@ -10,9 +10,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Families whose per-family tests compile for minutes on 2 cores (Hope's two-pass CMS step): they run
-# under `make test-all`, not in the default suite.
-SLOW_FAMILIES = ("hope",)
+# Families whose shared per-family tests (causality, decoding, step types) compile for a minute or more on
+# 2 cores (Hope's two-pass CMS step, the self-referential op): they run under `make test-all`; their own
+# test files keep a fast causality / decoding check in the default suite.
+SLOW_FAMILIES = ("hope", "self_ref_titans")
 
 
 def family_params(families) -> list:

@@ -34,7 +34,6 @@ import pytest
 from nlearn import models
 from nlearn.train.state import make_setup
 from nlearn.train.step import logits_of, make_train_step
-from run_helpers import family_params
 
 GOLDEN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
 UPDATE = os.environ.get("NLEARN_UPDATE_GOLDEN") == "1"
@@ -90,7 +89,7 @@ def _load() -> dict:
         return json.load(f)["families"]
 
 
-@pytest.mark.parametrize("family", family_params(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_one_step_matches_golden(family):
     values = one_step_values(family)
     if UPDATE:

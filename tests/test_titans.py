@@ -128,12 +128,13 @@ SCHEDULE = [6, 1, 1, 6, 1, 6]
 
 @pytest.mark.parametrize("family,minibatch,model", [
     # tiny's wiring (MAC: the read added, the memory written from x); MAG and MAL in the paper's form.
-    ("titans_mac", 2, {}), ("titans_mac", 3, {}), ("titans_mag", 4, dict(mag_output="gate")),
+    ("titans_mac", 2, {}), pytest.param("titans_mac", 3, {}, marks=pytest.mark.slow),
+    ("titans_mag", 4, dict(mag_output="gate")),
     ("titans_mal", 4, dict(mal_attn_input="m")),
     # Eqs. 24-25 (the memory written from y, read with y, gating y), and no attention convs.
     ("titans_mac", 2, dict(mac_memory_input="y", mac_output="gate", attn_conv_size=0)),
     # The memory written from the attention sub-layer's output with its residual.
-    ("titans_mac", 2, dict(mac_memory_input="x+y")),
+    pytest.param("titans_mac", 2, dict(mac_memory_input="x+y"), marks=pytest.mark.slow),
 ])
 def test_causal_and_decoding_equals_full_forward_across_segments(family, minibatch, model):
     config = small(family, segment_len=4, **model)

@@ -191,6 +191,7 @@ def test_sharded_run_matches_single_device(tmp_path, cache_dir, text_corpus, ref
     assert abs(result["loss"] - reference_run[1]["loss"]) / reference_run[1]["loss"] <= 1e-3
 
 
+@pytest.mark.slow  # the generic staged-source resume test covers the mechanism in the default suite
 def test_mqar_curriculum_run_resumes_across_the_stage_change(tmp_path):
     """A curriculum changes the batch shape mid-run (one more compile); a run that ends inside the
     first stage and is then extended ends exactly where an uninterrupted run does."""
@@ -334,6 +335,7 @@ def test_bad_time_budgets_are_refused(overrides, message):
         validate(config)
 
 
+@pytest.mark.slow
 def test_time_budget_shortens_the_run_to_the_one_its_total_gives(tmp_path, cache_dir, text_corpus):
     """A 1 s budget is spent before the plan (start-up alone takes longer), so the run takes the
     shortest total that keeps its schedule so far (11 of 40: WSD over 11 steps with 2 decaying is

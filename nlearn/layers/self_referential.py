@@ -53,8 +53,10 @@ class SelfReferentialMixer(nnx.Module):
                               for name in names})
         self.w_out = nnx.Dict({name: param(rngs, (h, hidden, 1 if name in SCALAR_MEMORIES else d),
                                            ("heads", None, None), std=0.02) for name in names})
-        self.lr_bias = nnx.Param(jnp.full((h,), logit(mem.lr_init), jnp.float32), out_sharding=("heads",))
-        self.retain_bias = nnx.Param(jnp.full((h,), logit(mem.retain_init), jnp.float32), out_sharding=("heads",))
+        self.lr_bias = nnx.Param(jnp.full((h,), logit(mem.lr_init), jnp.float32), out_sharding=("heads",),
+                                 eager_sharding=False)
+        self.retain_bias = nnx.Param(jnp.full((h,), logit(mem.retain_init), jnp.float32), out_sharding=("heads",),
+                                     eager_sharding=False)
         self.out_norm = RMSNorm(d, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
         self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs)

@@ -147,6 +147,32 @@ def _windowed_titans(cfg, t: int, backend: str) -> float:
     return h * (3.0 * attn + neural_memory(t, d, cfg.memory))
 
 
+def self_referential(t: int, d: int, mem) -> float:
+    """Training FLOPs of the chunked `memory.self_referential_titans` over t tokens (one head), from
+    the `model.memory` section: per memory (k, v, lr, retain, memory, and q when adaptive) its MLP
+    forward on x and on v (targets), the error and δ at the chunk start, both outer-product writes and
+    the in-chunk DGD solve; the memory's read adds q W_in and the masked decayed attention."""
+    hid, c_m, c_o = mem.expansion * d, mem.chunk_memory, mem.chunk_other
+    # (output width, chunk) of k, v, lr, retain, memory (and q)
+    memories = [(d, c_o), (d, c_o), (1, c_o), (1, c_o), (d, c_m)] + ([(d, c_o)] if mem.adaptive_q else [])
+    per_token = 0.0
+    for d_out, chunk in memories:
+        mlp = 2.0 * d * hid + 2.0 * hid * d_out
+        per_token += 2 * mlp + mlp + 2.0 * hid * d_out + 2.0 * d * hid  # x and v forward, e / δ, both writes
+        per_token += 2.0 * chunk * (d + hid)  # DGD's Gram matrix and the in-chunk solve
+    per_token += 2.0 * d * hid + 2.0 * c_m * (d + hid) + 2.0 * hid * d  # the read of the memory
+    return 3.0 * _pad(t, max(c_m, c_o)) * per_token
+
+
+def _hope(cfg, t: int, backend: str) -> float:
+    """Hope's mixer: self-referential Titans or causal attention (the CMS levels are dense layers;
+    `flops_per_token` doubles everything for the two-pass `cms.update=ntp`)."""
+    h, d = cfg.num_heads, head_dim(cfg)
+    if cfg.hope.mixer == "attention":
+        return h * 3.0 * causal_attention(t, d, cfg.window)
+    return h * self_referential(t, d, cfg.memory)
+
+
 def _per_head(fn):
     return lambda cfg, t, backend: cfg.num_heads * fn(cfg, t, head_dim(cfg), backend)
 
@@ -163,6 +189,8 @@ MIXER_FLOPS = {
     "titans_mac": _mac,
     "titans_mag": _windowed_titans,
     "titans_mal": _windowed_titans,
+    "self_ref_titans": _per_head(lambda cfg, t, d, be: self_referential(t, d, cfg.memory)),
+    "hope": _hope,
 }
 
 
@@ -182,8 +210,11 @@ def mixer_flops_per_token(model_cfg, seq_len: int, backend: str | None = None) -
 def flops_per_token(model_cfg, params, seq_len: int, backend: str | None = None) -> float:
     """Training FLOPs per token: 6 per dense weight (`dense_params` of the parameter tree, arrays or
     shapes) plus every layer's mixer (`mixer_flops_per_token`) at `seq_len`."""
-    return (6.0 * dense_params(params, model_cfg.tie_embeddings)
-            + model_cfg.num_layers * mixer_flops_per_token(model_cfg, seq_len, backend))
+    total = (6.0 * dense_params(params, model_cfg.tie_embeddings)
+             + model_cfg.num_layers * mixer_flops_per_token(model_cfg, seq_len, backend))
+    cms = model_cfg.get("cms")
+    two_pass = cms is not None and cms["update"] == "ntp"  # Hope: pass 1 runs the model forward and back too
+    return 2.0 * total if two_pass else total
 
 
 @functools.lru_cache(maxsize=None)
