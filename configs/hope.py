@@ -11,22 +11,10 @@ Presets: tiny, 340m, 760m, 1.3b. Overrides, each one line:
 """
 
 from nlearn.models.hope import cms_config, hope_config
-from nlearn.models.self_referential import memory_config
+from nlearn.models.self_referential import PRESETS, TINY_MEMORY, TINY_TRAIN, memory_config
 from nlearn.presets import family_config
 
-# The self_ref_titans presets, their SwiGLU width split over the CMS levels.
-PRESETS = {
-    # SwiGLU width 512 in all and memories of hidden width head_dim (expansion 1): the tiny
-    # Transformer++'s parameter count.
-    "tiny": dict(d_model=256, num_layers=4, num_heads=4, mlp_dim=512),
-    "340m": dict(d_model=1024, num_layers=20, num_heads=16, mlp_dim=2560, tie_embeddings=False),
-    "760m": dict(d_model=1536, num_layers=20, num_heads=16, tie_embeddings=False),
-    "1.3b": dict(d_model=2048, num_layers=20, num_heads=16, tie_embeddings=False),
-}
-TINY_MEMORY = dict(expansion=1)
-# Every level updates inside a 256-token training window.
-TINY_CMS = dict(periods=(16, 64, 128))
-TINY_TRAIN = dict(steps=75)
+TINY_CMS = dict(periods=(16, 64, 128))  # every level updates inside a 256-token training window
 
 
 def get_config(preset: str = "tiny"):

@@ -8,22 +8,8 @@ Presets: tiny, 340m, 760m, 1.3b. Every choice of HOPE.md §1 is a one-line overr
   nlearn-train --config=configs/self_ref_titans.py:tiny --workdir=runs/self_ref_titans
 """
 
-from nlearn.models.self_referential import memory_config
+from nlearn.models.self_referential import PRESETS, TINY_MEMORY, TINY_TRAIN, memory_config
 from nlearn.presets import family_config
-
-PRESETS = {
-    # SwiGLU width 512 and memories of hidden width head_dim (expansion 1) give the tiny
-    # Transformer++'s parameter count (5.25M against 5.31M) and a step CPU can afford.
-    "tiny": dict(d_model=256, num_layers=4, num_heads=4, mlp_dim=512),
-    # Paper sizes, 32k vocabulary, untied head; memories of hidden width 4 * head_dim.
-    "340m": dict(d_model=1024, num_layers=20, num_heads=16, mlp_dim=2560, tie_embeddings=False),
-    "760m": dict(d_model=1536, num_layers=20, num_heads=16, tie_embeddings=False),
-    "1.3b": dict(d_model=2048, num_layers=20, num_heads=16, tie_embeddings=False),
-}
-TINY_MEMORY = dict(expansion=1)
-
-# Like titans_lmm's tiny preset: fewer steps of the same tokens keep `make train` near its budget.
-TINY_TRAIN = dict(steps=75)
 
 
 def get_config(preset: str = "tiny"):

@@ -13,6 +13,19 @@ from nlearn.layers.self_referential import SelfReferentialMixer
 from nlearn.models import register
 
 
+# Model sizes shared by `configs/self_ref_titans.py` and `configs/hope.py` (Hope splits the SwiGLU width over
+# its CMS levels). tiny: SwiGLU width 512 and memories of hidden width head_dim give the tiny Transformer++'s
+# parameter count; paper sizes: 32k vocabulary, untied head, memories of hidden width 4 * head_dim.
+PRESETS = {
+    "tiny": dict(d_model=256, num_layers=4, num_heads=4, mlp_dim=512),
+    "340m": dict(d_model=1024, num_layers=20, num_heads=16, mlp_dim=2560, tie_embeddings=False),
+    "760m": dict(d_model=1536, num_layers=20, num_heads=16, tie_embeddings=False),
+    "1.3b": dict(d_model=2048, num_layers=20, num_heads=16, tie_embeddings=False),
+}
+TINY_MEMORY = dict(expansion=1)
+TINY_TRAIN = dict(steps=75)  # like titans_lmm's tiny: fewer steps keep `make train` near its budget
+
+
 def memory_config(**overrides) -> ml_collections.ConfigDict:
     """The self-referential memory's options (HOPE.md §1; every *(choice)* there is a key here)."""
     c = ml_collections.ConfigDict()
