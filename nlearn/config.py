@@ -89,6 +89,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # -1: all devices not used by the other axes
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    c.mesh.sequence = 1  # devices that split each sequence's tokens (sequence parallelism)
     c.mesh.rules = json.dumps(DEFAULT_RULES)  # JSON so a CLI override stays one string
 
     c.logging = ml_collections.ConfigDict()
@@ -120,7 +121,12 @@ MIGRATIONS = (
     ("model.mac_memory_input", "x+y", lambda c: c.model.family == "titans_mac"),
     ("model.mag_output", "blend", lambda c: c.model.family == "titans_mag"),
     ("model.mal_attn_input", "x+m", lambda c: c.model.family == "titans_mal"),
+    ("mesh.sequence", 1, None),
 )
+
+# Families whose mixers split a sequence over `mesh.sequence` devices: attention (all-gathered K/V) and
+# the affine memories (nlearn.memory.sequence_parallel). The nonlinear memories have no state summary.
+SEQUENCE_PARALLEL_FAMILIES = ("transformer", "linear_attention", "deltanet", "gated_deltanet")
 
 
 def migrate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -195,6 +201,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             _fail(f"mesh.{axis}", value, "must be a positive size or -1")
     if sum(config.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) > 1:
         _fail("mesh", "", "at most one of mesh.data/fsdp/tensor may be -1")
+    _validate_sequence(config)
     if config.train.batch_size % config.train.grad_accum:
         _fail("train.grad_accum", config.train.grad_accum,
               f"must divide train.batch_size={config.train.batch_size}")
@@ -204,6 +211,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
     except (ValueError, TypeError) as e:
         _fail("mesh.rules", config.mesh.rules, f"must be a JSON list of [logical, mesh_axis] pairs ({e})")
     models.validate_config(config)
+
+
+def _validate_sequence(config) -> None:
+    sequence = config.mesh.get("sequence", 1)
+    if not isinstance(sequence, int) or sequence < 1:
+        _fail("mesh.sequence", sequence, "must be a positive size (-1 is for mesh.data/fsdp/tensor)")
+    if sequence == 1:
+        return
+    if config.model.family not in SEQUENCE_PARALLEL_FAMILIES:
+        _fail("mesh.sequence", sequence, f"family {config.model.family} cannot split a sequence across devices "
+              f"(its memory is nonlinear: no state summary to pass on); families that can: "
+              f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
+    if config.train.seq_len % sequence:
+        _fail("mesh.sequence", sequence, f"must divide train.seq_len={config.train.seq_len}")
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> str:

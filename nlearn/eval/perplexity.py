@@ -7,6 +7,7 @@ import math
 import jax
 
 from nlearn import data
+from nlearn.train import mesh as mesh_lib
 from nlearn.train.step import make_eval_step
 
 
@@ -20,6 +21,7 @@ def make_evaluator(setup, compiler_options: dict | None = None):
     step = jax.jit(make_eval_step(setup.graphdef, dtype=setup.dtype),
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
                    compiler_options=compiler_options)
+    step = mesh_lib.in_mesh_context(step, setup.mesh)  # a sequence-split mesh: the layers split too
 
     def evaluate(params, batches) -> dict:
         total, count, hits = 0.0, 0.0, 0.0

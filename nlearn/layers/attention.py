@@ -25,10 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from nlearn.layers.conv import ShortConv
 from nlearn.layers.core import Dense, param
 from nlearn.layers.rope import apply_rope
+from nlearn.memory.sequence_parallel import SEQUENCE_AXIS, context_axis_size
 
 
 def attention_mask(q_pos_T, k_pos_S, window: int):
@@ -86,6 +88,28 @@ def local_attention(q, k, v, window: int, prefix_k=None, prefix_v=None):
         mask = with_prefix_mask(mask, n_p)
     y = masked_attention(qb, keys, values, mask)
     return y.reshape(b, nb * w, h, d)[:, :t]
+
+
+def attend_over_sequence(q, k, v, window: int, prefix_kv=None):
+    """Causal attention of `q, k, v [B, T, H, K]` with T split over the context mesh's `sequence`
+    axis: each device all-gathers the keys and values and attends its own queries (memory
+    O(T/P * T) per device; exact, not a ring)."""
+
+    def shard(q, k, v, prefix_kv):
+        t_local = q.shape[1]
+        keys = jax.lax.all_gather(k, SEQUENCE_AXIS, axis=1, tiled=True)
+        values = jax.lax.all_gather(v, SEQUENCE_AXIS, axis=1, tiled=True)
+        q_pos = jax.lax.axis_index(SEQUENCE_AXIS) * t_local + jnp.arange(t_local)
+        mask = attention_mask(q_pos, jnp.arange(keys.shape[1]), window)
+        if prefix_kv is None:
+            return jax.nn.dot_product_attention(q, keys, values, mask=mask[None, None])
+        pk, pv = prefix_kv
+        return masked_attention(q, jnp.concatenate([pk, keys], 1), jnp.concatenate([pv, values], 1),
+                                with_prefix_mask(mask, pk.shape[1]))
+
+    seq = P(None, SEQUENCE_AXIS)
+    return jax.shard_map(shard, in_specs=(seq, seq, seq, P()), out_specs=seq, axis_names={SEQUENCE_AXIS})(
+        q, k, v, prefix_kv)
 
 
 class Attention(nnx.Module):
@@ -165,6 +189,8 @@ class Attention(nnx.Module):
         pos_T = start + jnp.arange(t, dtype=jnp.int32)
         q, k, v, convs = self.qkv(x_BTD, pos_T, None if cache is None else cache["convs"])
         pkv = self.persistent_kv(b, k.dtype)
+        if cache is None and context_axis_size() > 1:
+            return attend_over_sequence(q, k, v, self.window, pkv), None
         if cache is None:
             if self.window:
                 return local_attention(q, k, v, self.window, *(pkv or ())), None

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nlearn.layers.core import param
+from nlearn.memory.sequence_parallel import halo
 
 
 class ShortConv(nnx.Module):
@@ -77,3 +78,11 @@ def _causal_conv_bwd(res, g_BTC):
 
 
 causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
+
+
+def causal_conv_over_sequence(x_BTC, w_KC, axis_name: str):
+    """`causal_conv` of this device's shard of the sequence (inside `shard_map` over `axis_name`):
+    the previous shard's last K-1 inputs come across the boundary as the halo. The taps are marked as
+    varying over the axis, so the hand-written backward's per-shard tap gradient is summed by the map."""
+    w_KC = jax.lax.pcast(w_KC, axis_name, to="varying")
+    return causal_conv(halo(x_BTC, w_KC.shape[0] - 1, axis_name), x_BTC, w_KC)

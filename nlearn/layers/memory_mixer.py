@@ -8,17 +8,20 @@ SiLU output gate -> output projection. Decoding feeds the op's state through the
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from nlearn.layers.conv import ShortConv
+from nlearn.layers.conv import ShortConv, causal_conv_over_sequence
 from nlearn.layers.core import Dense, RMSNorm, head_dim, param
 from nlearn.memory.delta import delta_rule, delta_rule_step, gated_delta_rule, gated_delta_rule_step
 from nlearn.memory.linear_attention import LinearAttentionState, linear_attention, linear_attention_step
 from nlearn.memory.neural_memory import init_state as neural_memory_init_state
 from nlearn.memory.neural_memory import neural_memory, neural_memory_step
+from nlearn.memory import sequence_parallel as sp
 from nlearn.memory.inner_optimizers import get_inner_optimizer
 from nlearn.memory.ttt import ttt_linear, ttt_linear_init_state, ttt_linear_step
 from nlearn.memory.ttt_mlp import ttt_mlp, ttt_mlp_init_state, ttt_mlp_step
@@ -64,6 +67,12 @@ class MemoryMixer(nnx.Module):
         """Per-token gates `[B, T, H]` passed to the op."""
         return ()
 
+    def sequence_op(self):
+        """The op over one device's shard of a split sequence, `(q, k, v, *gates, axis_name=) -> (o,
+        state)` (`nlearn.memory.sequence_parallel`); memories without a state summary refuse."""
+        raise ValueError(f"{type(self).__name__}: this memory is nonlinear and cannot split a sequence across "
+                         "devices (no state summary to pass on); use mesh.sequence=1")
+
     # --- shared ----------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         width = self.num_heads * self.head_dim
@@ -72,6 +81,8 @@ class MemoryMixer(nnx.Module):
 
     def heads(self, x_BTD, cache=None):
         """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache."""
+        if cache is None and sp.context_axis_size() > 1:
+            return self.out_norm(self._heads_over_sequence(x_BTD)), None
         b, t, _ = x_BTD.shape
         qkv, conv_caches = [], []
         for i, proj in enumerate((self.q, self.k, self.v)):
@@ -84,6 +95,24 @@ class MemoryMixer(nnx.Module):
         state = None if cache is None else cache["state"]
         o, state = self.memory(q, k, v, self.gates(x_BTD), state)
         return self.out_norm(o), (None if cache is None else {"convs": conv_caches, "state": state})
+
+    def _heads_over_sequence(self, x_BTD):
+        """`heads` with the sequence split over the context mesh's `sequence` axis: projections and
+        gates per token, then, per device, the convs (with their halo), the features and the op."""
+        op = self.sequence_op()
+        projected = tuple(proj(x_BTD) for proj in (self.q, self.k, self.v))
+        weights = tuple(conv.weight[...].astype(x_BTD.dtype) for conv in self.convs)
+
+        def shard(weights, projected, gates):
+            if weights:
+                projected = [causal_conv_over_sequence(h, w, sp.SEQUENCE_AXIS) for h, w in zip(projected, weights)]
+            b, t = projected[0].shape[:2]
+            q, k, v = self.featurize(*(h.reshape(b, t, self.num_heads, self.head_dim) for h in projected))
+            return op(q, k, v, *gates, axis_name=sp.SEQUENCE_AXIS)[0]
+
+        seq = P(None, sp.SEQUENCE_AXIS)
+        return jax.shard_map(shard, in_specs=(P(), seq, seq), out_specs=seq, axis_names={sp.SEQUENCE_AXIS})(
+            weights, projected, self.gates(x_BTD))
 
     def __call__(self, x_BTD, cache=None):
         b, t, _ = x_BTD.shape
@@ -107,6 +136,9 @@ class LinearAttentionMixer(MemoryMixer):
         if not self.normalize:
             return s
         return LinearAttentionState(s, jnp.zeros((batch, self.num_heads, self.head_dim), jnp.float32))
+
+    def sequence_op(self):
+        return partial(sp.linear_attention_shard, normalize=self.normalize, chunk_size=self.chunk_size)
 
     def memory(self, q, k, v, gates, state):
         if q.shape[1] == 1 and state is not None:
@@ -147,6 +179,9 @@ class DeltaNetMixer(MemoryMixer):
 
     def initial_state(self, batch):
         return jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)
+
+    def sequence_op(self):
+        return partial(sp.gated_delta_rule_shard if self.gated else sp.delta_rule_shard, chunk_size=self.chunk_size)
 
     def memory(self, q, k, v, gates, state):
         step, full = ((gated_delta_rule_step, gated_delta_rule) if self.gated

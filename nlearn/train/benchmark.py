@@ -159,6 +159,7 @@ class TimeBudget(StepHook):
         jitted = jax.jit(step_with_total, out_shardings=(setup.state_shardings, None), donate_argnums=0,
                          in_shardings=(setup.state_shardings, setup.batch_sharding, mesh_lib.replicated(setup.mesh)),
                          compiler_options=self.compiler_options)
+        jitted = mesh_lib.in_mesh_context(jitted, setup.mesh)
         boundaries = functools.lru_cache(maxsize=4)(lambda total: jnp.asarray(wsd_total(self.config, total)))
         return lambda state, batch: jitted(state, batch, boundaries(self.total))  # one transfer per total
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 
+from nlearn.train import mesh as mesh_lib
 from nlearn.train.step import make_train_step
 
 
@@ -28,9 +29,10 @@ class StepHook:
         """The jitted `(state, batch) -> (state, metrics)`."""
         t = self.config.train
         step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype)
-        return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
-                       out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                       compiler_options=self.compiler_options)
+        jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                         out_shardings=(setup.state_shardings, None), donate_argnums=0,
+                         compiler_options=self.compiler_options)
+        return mesh_lib.in_mesh_context(jitted, setup.mesh)
 
     def after_step(self, step: int, batch: dict, metrics, began: float) -> int | None:
         """Called once step `step` is dispatched (`began`: `time.perf_counter()` before its batch was

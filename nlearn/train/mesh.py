@@ -1,7 +1,8 @@
-"""Device mesh `("data", "fsdp", "tensor")` and placement of parameters and batches by rules.
+"""Device mesh `("data", "fsdp", "tensor", "sequence")` and placement of parameters and batches by rules.
 
 Parameters carry logical axis names; `config.mesh.rules` maps each to mesh axes. A dimension that
-a mesh axis does not divide is replicated instead of failing (small models on big meshes).
+a mesh axis does not divide is replicated instead of failing (small models on big meshes). The
+`sequence` axis splits each batch's time dimension (sequence parallelism, `nlearn.memory.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from nlearn.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "tensor", "sequence")
 
 
 def make_mesh(config) -> jax.sharding.Mesh:
     """The mesh of `config.mesh` over all devices; one axis may be -1 (the remaining devices)."""
     n = jax.device_count()
-    sizes = [config.mesh[a] for a in AXES]
+    sizes = [config.mesh.get(a, 1) for a in AXES]  # configs saved before `mesh.sequence` have none
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n % known:
             raise UserError(f"mesh: {dict(zip(AXES, sizes))} does not divide the {n} available devices")
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
-        raise UserError(f"mesh: data*fsdp*tensor = {math.prod(sizes)} but {n} devices are available "
+        raise UserError(f"mesh: data*fsdp*tensor*sequence = {math.prod(sizes)} but {n} devices are available "
                         f"(sizes {dict(zip(AXES, sizes))}; use -1 on one axis to fill)")
     # Auto axes: the compiler propagates shardings from the placed inputs (jax >= 0.10 defaults
     # to Explicit, which would demand sharding-aware code in every op).
@@ -68,8 +69,25 @@ def param_shardings(abstract_state, logical_specs, rules, mesh):
 
 
 def batch_sharding(mesh, rules) -> NamedSharding:
-    """Batches `[B, T]` split over the batch axes, sequence replicated."""
-    return NamedSharding(mesh, P(rules.get("batch"), None))
+    """Batches `[B, T]` split over the batch axes, and T over the `sequence` axis when it is > 1."""
+    return NamedSharding(mesh, P(rules.get("batch"), "sequence" if sequence_size(mesh) > 1 else None))
+
+
+def sequence_size(mesh) -> int:
+    return dict(mesh.shape).get("sequence", 1)
+
+
+def in_mesh_context(fn, mesh):
+    """`fn` called under `jax.set_mesh(mesh)` when the mesh splits sequences, so the layers trace
+    their sequence-parallel form (they read the context mesh); `fn` itself otherwise."""
+    if sequence_size(mesh) == 1:
+        return fn
+
+    def wrapped(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def replicated(mesh) -> NamedSharding:
