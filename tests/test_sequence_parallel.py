@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from run_helpers import ROOT, load_family_config
+from run_helpers import ROOT, load_family_config, run_cli, tiny_overrides
 
 CASES = os.path.join(ROOT, "tests", "sequence_parallel_cases.py")
 
@@ -36,6 +38,35 @@ def test_split_sequences_match_single_device_for_every_family():
     """delta_rule and normalized linear attention ops; gated_deltanet, linear_attention and transformer
     models on 4 devices."""
     run_cases("slow")
+
+
+@pytest.mark.slow
+def test_training_on_a_split_sequence_matches_one_device(tmp_path, cache_dir, text_corpus):
+    """The trainer end to end (batch placement, the mesh context, eval): 4 devices splitting each
+    sequence end with the 1-device eval loss."""
+    losses = []
+    for name, extra, env in [("one", [], {}),
+                             ("split", ["--config.mesh.data=1", "--config.mesh.sequence=4"],
+                              {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})]:
+        proc = run_cli("train", "--config=configs/deltanet.py:tiny", f"--workdir={tmp_path / name}",
+                       *tiny_overrides(cache_dir, text_corpus, **{"train.steps": 4}), *extra, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses.append(json.load(open(tmp_path / name / "eval.json"))["loss"])
+    assert "'sequence': 4" in proc.stdout
+    assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_memory_script_shows_the_split_step_smaller_and_its_collectives():
+    proc = subprocess.run([sys.executable, "scripts/seqpar_memory.py", "--tokens=512", "--devices=4", "--run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    peaks = [float(m) for m in re.findall(r"^\| (?:1 device|4 devices)[^|]*\|[^|]*\|[^|]*\| ([0-9.]+)", proc.stdout,
+                                          re.M)]
+    assert len(peaks) == 2 and peaks[1] < peaks[0], proc.stdout
+    permutes = int(re.search(r"\| collective-permute\s*\| (\d+)", proc.stdout).group(1))
+    assert permutes > 0 and "loss" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("family,overrides,message", [

@@ -19,9 +19,12 @@ would move and keep P summaries per device and fold them one after another. The 
 matmul per head, so the scan's extra ⌈log2 P⌉ compositions are negligible next to the shard's own
 work and its latency grows with log P instead of P.
 
-The DGD input-layer update (`neural_memory` with a linear memory, `l2`, `optimizer="dgd"`) is a
-gated delta rule, so it runs here as `gated_delta_rule_shard`. The nonlinear memories (TTT, Titans'
-deep memory, self-referential Titans) have no such summary; the layers refuse to split them.
+The DGD input-layer update (a linear memory under `optimizer="dgd"`, mini-batch 1:
+`W_t = ((1 − α_t) I − c η_t kᵀk) W_{t-1} + η_t kᵀv`, c = 2 for `l2`, 1 for `dot`) is a gated delta
+rule with `a = 1 − α`, `β = c η / a` and values `v a / c`, so `gated_delta_rule_shard` splits it the
+same way (the Titans layers do not route it here: they refuse like the other neural memories). The
+nonlinear memories (TTT, Titans' deep memory, self-referential Titans) have no such summary; the
+layers refuse to split them.
 
 Functions named `*_shard` run inside `jax.shard_map` on per-device `[B, T/P, ...]` shards and name
 the mesh axis; `over_sequence` wraps one for global arrays.
@@ -51,15 +54,15 @@ def context_axis_size(axis_name: str = SEQUENCE_AXIS) -> int:
 def halo(x_BTC, width: int, axis_name: str):
     """The previous shard's last `width` tokens `[B, width, C]` (zeros on the first device): what a
     causal conv of `width + 1` taps reads across the shard boundary. `width` may exceed a shard."""
-    n, idx = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    n = jax.lax.axis_size(axis_name)
     b, t, c = x_BTC.shape
     parts, need = [], width
     for hop in range(1, n):  # the tail may span several earlier shards when shards are short
         if need <= 0:
             break
         take = min(need, t)
-        recv = jax.lax.ppermute(x_BTC[:, t - take:], axis_name, [(j, j + hop) for j in range(n - hop)])
-        parts.insert(0, jnp.where(idx >= hop, recv, 0))
+        # ppermute leaves zeros on the devices that receive nothing (the first `hop` ones)
+        parts.insert(0, jax.lax.ppermute(x_BTC[:, t - take:], axis_name, [(j, j + hop) for j in range(n - hop)]))
         need -= take
     past = jnp.concatenate(parts, axis=1) if parts else jnp.zeros((b, 0, c), x_BTC.dtype)
     if need > 0:  # more than all earlier shards hold: zeros, as before the first token
@@ -67,12 +70,12 @@ def halo(x_BTC, width: int, axis_name: str):
     return past
 
 
-def incoming(summary, compose, axis_name: str):
-    """Each device's incoming value from the summaries of the devices before it (exclusive scan).
+def device_scan(summary, compose, axis_name: str):
+    """Inclusive scan of the devices' summaries: device j gets those of devices 0..j composed.
 
-    `summary` is a pytree; `compose(later, earlier)` combines two consecutive summaries. Returns the
-    inclusive result of the previous device (the first device gets `None`'s role: the caller masks
-    it). A log-depth scan by `ppermute`; see the module docstring for why.
+    `summary` is a pytree; `compose(later, earlier)` combines two consecutive stretches. Returns the
+    scanned pytree and the device's index. Log-depth by `ppermute` (see the module docstring); the
+    callers shift the result by one device to get each device's incoming state.
     """
     n, idx = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     x, hop = summary, 1
@@ -116,7 +119,7 @@ def _delta_shard(run, q, k, v, beta, gates, initial_state, axis_name):
     v_ext = jnp.concatenate([jnp.zeros(v.shape[:-1] + (dk,), v.dtype), v], axis=-1)
     _, folded = run(jnp.zeros_like(k), k, v_ext, beta, *gates, initial_state=start)
     summary = (folded[..., :dk], folded[..., dk:])
-    (_, state_after), idx = incoming(summary, _affine_compose, axis_name)
+    (_, state_after), idx = device_scan(summary, _affine_compose, axis_name)
     s_in = jnp.where(idx == 0, s0, _shift(state_after, axis_name))
     o, s_out = run(q, k, v, beta, *gates, initial_state=s_in)
     return o, _last(s_out, axis_name)
@@ -145,7 +148,7 @@ def linear_attention_shard(q, k, v, *, axis_name: str, normalize: bool = False, 
         s0 = tuple(initial_state) if normalize else (initial_state,)
         summary = tuple(x + jnp.where(idx == 0, f32(x0), 0.0) for x, x0 in zip(summary, s0))
     add = lambda later, earlier: tuple(a + b for a, b in zip(later, earlier))  # noqa: E731
-    after, idx = incoming(summary, add, axis_name)
+    after, idx = device_scan(summary, add, axis_name)
     s_in = _shift(after, axis_name)
     if initial_state is not None:
         s_in = tuple(jnp.where(idx == 0, f32(x0), x) for x, x0 in zip(s_in, s0))
