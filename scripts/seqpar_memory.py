@@ -132,22 +132,25 @@ def main(args) -> None:
             state, metrics = compiled(state, batch)
         loss = float(metrics["loss"])
         seconds = time.perf_counter() - t0
-        ran = (f"`--run`: the split step trained on the {args.tokens:,}-token sequence in {seconds:.1f} s, "
-               f"loss {loss:.4f} (ln {args.vocab} = {np.log(args.vocab):.4f} at init).")
+        ran = (f"`--run`: the split step trained on the {args.tokens:,}-token sequence in {seconds:.1f} s "
+               f"(load average {os.getloadavg()[0]:.0f} on the machine), loss {loss:.4f} "
+               f"(ln {args.vocab} = {np.log(args.vocab):.4f} at init).")
         print(ran, flush=True)
     if args.write:
         from results_md import write_results
 
         ratio = single["peak"] / split["peak"]
+        fwd = 2 * (args.devices - 1).bit_length() + 3  # permutes of one layer's forward
         note = (f"`deltanet`, d_model={args.d_model}, {args.layers} layer(s), 2 heads, vocab {args.vocab}, one "
                 f"sequence of {args.tokens:,} tokens, float32, AdamW step. Figures are XLA's per-device "
                 f"`memory_analysis()` of the compiled step (peak = arguments + outputs + temporaries − donated); "
                 f"splitting the sequence over {args.devices} devices divides the per-device peak by {ratio:.1f}. "
-                f"{ran}\n\nThe split step's collectives per memory layer (forward; the backward mirrors them): "
-                f"3 conv halos (one `collective-permute` each), ⌈log2 P⌉ scan rounds of the state maps "
-                f"(A and B: two permutes a round) and one shift of the incoming state; XLA may merge or split "
-                f"some of them, so the table gives the compiled count. The `all-reduce`s sum the gradients of "
-                f"the parameters over the devices.")
+                f"{ran}\n\nCollectives of the split step, per memory layer: the forward has 3 conv halos (one "
+                f"`collective-permute` each), ⌈log2 P⌉ scan rounds of the state maps (A and B: two permutes a round, "
+                f"but the last round's A is unused and dropped) and one shift of the incoming state, 2⌈log2 P⌉ + 3 "
+                f"in all ({fwd} for P = {args.devices}); the backward transposes each one: {2 * fwd * args.layers} "
+                f"expected for {args.layers} layer(s), {counts['collective-permute']} compiled. The `all-reduce` sums "
+                f"the parameters' gradients over the devices (XLA combines them).")
         args_text = " ".join(a for a in sys.argv[1:])
         path = write_results("seqpar.md", "Sequence parallelism: per-device memory and collectives",
                              f"python scripts/seqpar_memory.py {args_text}".strip(), table + "\n\n" + count_table,

@@ -146,18 +146,19 @@ def model_loss_and_grads(config, mesh=None):
     step = jax.jit(jax.value_and_grad(loss))
     if mesh is None:
         return step(nnx.to_pure_dict(params), inputs_BT, targets_BT)
-    split = NamedSharding(mesh, P(None, "sequence"))
+    split = NamedSharding(mesh, P("data", "sequence"))
     return mesh_lib.in_mesh_context(step, mesh)(nnx.to_pure_dict(params), jax.device_put(inputs_BT, split),
                                                 jax.device_put(targets_BT, split))
 
 
-@pytest.mark.parametrize("family", [
-    "deltanet",
-    pytest.param("gated_deltanet", marks=pytest.mark.slow),
-    pytest.param("linear_attention", marks=pytest.mark.slow),
-    pytest.param("transformer", marks=pytest.mark.slow),
+@pytest.mark.parametrize("family,data", [
+    ("deltanet", 2),  # data=2 x sequence=2: the batch axis stays with the compiler inside the split
+    pytest.param("gated_deltanet", 1, marks=pytest.mark.slow),
+    pytest.param("linear_attention", 1, marks=pytest.mark.slow),
+    pytest.param("transformer", 1, marks=pytest.mark.slow),
 ])
-def test_model_matches_single_device(mesh, family):
+def test_model_matches_single_device(family, data):
+    mesh = jax.make_mesh((data, DEVICES // data), ("data", "sequence"), axis_types=(AxisType.Auto,) * 2)
     config = tiny_model_config(family)
     assert_trees_close(model_loss_and_grads(config, mesh), model_loss_and_grads(config), family)
 
