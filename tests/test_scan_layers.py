@@ -92,6 +92,23 @@ def test_scanned_decoding_matches_the_scanned_forward(family):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(forward(state, tokens)), atol=1e-4)
 
 
+def test_scanned_train_step_does_not_grow_with_depth():
+    """The lowered train step holds one block whatever the depth (the unrolled one grows with it):
+    compile time flat in depth, measured without timing."""
+    from nlearn.train.state import make_setup
+    from nlearn.train.step import make_train_step
+
+    def lines(layers, scan):
+        config = tiny("transformer", num_layers=layers, scan_layers=scan)
+        setup = make_setup(config)
+        step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
+        batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
+        return len(jax.jit(step).lower(setup.abstract_state, batch).as_text().splitlines())
+
+    assert lines(2, True) == lines(4, True)
+    assert lines(4, False) > lines(2, False) + 1000  # what the measure would show if the scan unrolled
+
+
 def test_stacked_layout_keeps_decay_and_places_the_layers_axis_replicated():
     """Weight decay picks the same parameters in both layouts (a stacked 1-D gate stays undecayed), and
     the stacked axis carries the logical name `layers`, replicated by the default rules."""
