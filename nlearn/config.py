@@ -27,6 +27,7 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("kv", None),
     ("conv", None),
+    ("layers", None),  # the stacked blocks of model.scan_layers=True
 )
 
 
@@ -52,6 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.init_std = 0.02
     c.model.dtype = "float32"  # compute dtype; parameters stay float32
     c.model.remat = False  # rematerialise each block in the backward pass
+    c.model.remat_policy = "full"  # what remat keeps: "full" (nothing) or a name in nlearn.models.lm.REMAT_POLICIES
+    c.model.scan_layers = False  # blocks stacked on a `layers` axis and run by one scan (compile time flat in depth)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -111,6 +114,8 @@ MIGRATIONS = (
     ("train.final_eval", True, None),
     ("train.cpu_opt_preset", "default", None),
     ("train.time_budget_s", 0.0, None),
+    ("model.remat_policy", "full", None),
+    ("model.scan_layers", False, None),
     ("data.mqar.query_start", 0, None),
     ("data.mqar.random_filler", False, None),
     ("data.mqar.curriculum", "", None),

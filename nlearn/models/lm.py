@@ -2,6 +2,11 @@
 
 A block is pre-norm residual `x + mixer(norm(x))` then `x + mlp(norm(x))`; families differ only
 in the mixer (attention, a memory op, a Titans wiring), chosen through the registry.
+
+With `model.scan_layers=True` the blocks are one `Block` whose parameters are stacked on a leading
+`layers` axis (attribute `layers` instead of the list `blocks`), run by a `lax.scan` so that the
+compiled program holds one block whatever the depth; the parameters are those of the unscanned model
+from the same seed, stacked (`stack_blocks` / `unstack_blocks` map one layout to the other).
 """
 
 from __future__ import annotations
@@ -9,10 +14,21 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from nlearn.layers.core import Dense, Embed, RMSNorm, SwiGLU, swiglu_width
+
+STACKED = "layers"  # attribute, parameter key and logical axis name of the stacked blocks
+
+# What a rematerialised block keeps for the backward pass (`model.remat_policy`, with `model.remat`):
+# "full" recomputes everything, the others keep matmul outputs (see `jax.checkpoint_policies`).
+REMAT_POLICIES = {
+    "full": None,  # jax.checkpoint's default: nothing saved
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class Block(nnx.Module):
@@ -38,41 +54,101 @@ class Block(nnx.Module):
 MixerFactory = Callable[..., nnx.Module]  # (model_cfg, layer_index, rngs) -> mixer module
 
 
+def stack_modules(modules: list, family: str) -> nnx.Module:
+    """One module whose every variable is the modules' stacked on a leading `layers` axis (logical
+    axis name included); the modules must be alike but for their values."""
+    from nlearn.errors import UserError
+
+    graphdefs, states = zip(*(nnx.split(m) for m in modules))
+    if any(g != graphdefs[0] for g in graphdefs[1:]):
+        raise UserError(f"model.scan_layers=True: the layers of family {family!r} differ by index, so they "
+                        "cannot be stacked; set model.scan_layers=False")
+    state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    return nnx.merge(graphdefs[0], nnx.spmd.add_axis(state, 0, {nnx.PARTITION_NAME: STACKED}))
+
+
+def stack_blocks(params: dict) -> dict:
+    """Pure parameter dict of an unscanned model (`blocks: {0: .., 1: ..}`) -> the scanned layout."""
+    blocks = params["blocks"]
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    out[STACKED] = jax.tree.map(lambda *xs: jnp.stack(xs), *(blocks[i] for i in range(len(blocks))))
+    return out
+
+
+def unstack_blocks(params: dict) -> dict:
+    """Pure parameter dict of a scanned model -> the unscanned layout."""
+    layers = params[STACKED]
+    out = {k: v for k, v in params.items() if k != STACKED}
+    n = jax.tree.leaves(layers)[0].shape[0]
+    out["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n)}
+    return out
+
+
 class LanguageModel(nnx.Module):
     """Maps int tokens `[B, T]` to float32 logits `[B, T, V]`; `decode` carries a cache."""
 
     def __init__(self, cfg, make_mixer: MixerFactory, *, rngs: nnx.Rngs):
         self.remat = cfg.remat
+        self.remat_policy = cfg.remat_policy
         self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, make_mixer(cfg, i, rngs), rngs=rngs)
-                                for i in range(cfg.num_layers)])
+        blocks = [Block(cfg, make_mixer(cfg, i, rngs), rngs=rngs) for i in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            self.layers = stack_modules(blocks, cfg.family)
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.head = None if cfg.tie_embeddings else Dense(
             cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), std=cfg.init_std, rngs=rngs)
+
+    @property
+    def scanned(self) -> bool:
+        return hasattr(self, STACKED)
 
     def _logits(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)
         logits = self.embed.attend(x_BTD) if self.head is None else self.head(x_BTD)
         return logits.astype(jnp.float32)
 
+    def _run_blocks(self, x_BTD, cache=None):
+        """All blocks in order; the training forward (no cache) rematerialised when `remat` is on.
+        Scanned: one `lax.scan` over the stacked parameters and the stacked cache."""
+        remat = self.remat and cache is None
+        policy = REMAT_POLICIES[self.remat_policy]
+        if not self.scanned:
+            new_cache = []
+            for i, block in enumerate(self.blocks):
+                if cache is not None:
+                    x_BTD, layer_cache = block(x_BTD, cache[i])
+                    new_cache.append(layer_cache)
+                elif remat:
+                    x_BTD = nnx.remat(lambda blk, h: blk(h)[0], policy=policy)(block, x_BTD)
+                else:
+                    x_BTD = block(x_BTD)[0]
+            return x_BTD, (None if cache is None else new_cache)
+        graphdef, state = nnx.split(self.layers)
+
+        def body(x, layer):
+            layer_state, layer_cache = layer
+            return nnx.merge(graphdef, layer_state)(x, layer_cache)
+
+        if remat:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        return jax.lax.scan(body, x_BTD, (state, cache))
+
     def __call__(self, tokens_BT):
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
-        for block in self.blocks:
-            if self.remat:
-                x = nnx.remat(lambda blk, h: blk(h)[0])(block, x)
-            else:
-                x = block(x)[0]
-        return self._logits(x)
+        return self._logits(self._run_blocks(x)[0])
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
-        """Per-layer decoding state: KV ring buffers for attention, memory states for the rest."""
-        return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
+        """Per-layer decoding state: KV ring buffers for attention, memory states for the rest (a list
+        over layers; scanned: one pytree whose leaves are stacked on a leading `layers` axis)."""
+        if not self.scanned:
+            return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
+        graphdef, state = nnx.split(self.layers)
+        return jax.vmap(lambda s: nnx.merge(graphdef, s).init_cache(batch, max_len, dtype))(state)
 
     def decode(self, tokens_BT, cache):
         """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds."""
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
-        new_cache = []
-        for block, layer_cache in zip(self.blocks, cache):
-            x, layer_cache = block(x, layer_cache)
-            new_cache.append(layer_cache)
-        return self._logits(x), new_cache
+        x, cache = self._run_blocks(x, cache)
+        return self._logits(x), cache

@@ -78,10 +78,14 @@ def _traced_wsd(peak: float, end: float, warmup: int, total) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """True for matrices that get weight decay: not norms, embeddings, biases or 1-D gates."""
+    """True for matrices that get weight decay: not norms, embeddings, biases or 1-D gates (the stacked
+    blocks of `model.scan_layers=True` counted without their leading layers axis)."""
+    from nlearn.models.lm import STACKED
+
     def keep(path, x):
-        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path).lower()
-        return x.ndim >= 2 and not any(frag in names for frag in NO_DECAY)
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        names = "/".join(keys).lower()
+        return x.ndim - (keys[:1] == [STACKED]) >= 2 and not any(frag in names for frag in NO_DECAY)
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

@@ -1,0 +1,171 @@
+"""`model.scan_layers=True`: the blocks stacked on a `layers` axis and run by one scan give the unscanned
+model's parameters (same seed), loss, gradients and decoding; a scanned run resumes from its checkpoint;
+bad values and the family that cannot scan are refused in one line."""
+
+import importlib
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nlearn import models
+from nlearn.config import validate
+from nlearn.errors import UserError
+from nlearn.models.lm import STACKED, stack_blocks, unstack_blocks
+from nlearn.train.optim import decay_mask
+from nlearn.train.step import token_losses
+from test_families import tiny  # vocabulary 61, d_model 32, 2 layers, chunk_size 8
+
+SCANNABLE = sorted(f for f, family in models.FAMILIES.items() if family.model is None)
+FAST = ("transformer",)  # in the default suite with the remat case below (a memory family); the rest is slow
+
+
+def _params(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(params)
+
+
+def _loss_and_grads(model, tokens_BT):
+    graphdef, params = _params(model)
+
+    def loss(p):
+        return jnp.mean(token_losses(graphdef, p, tokens_BT[:, :-1], tokens_BT[:, 1:], jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def _assert_trees_close(got, want, rtol=1e-5):
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)]
+    assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)] == paths
+    for path, g, w in zip(paths, jax.tree.leaves(got), jax.tree.leaves(want)):
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * float(np.max(np.abs(w)) + 1e-30),
+                                   err_msg=path)
+
+
+def _check_equal_to_unscanned(family, **model):
+    plain, scanned = models.build(tiny(family)), models.build(tiny(family, scan_layers=True, **model))
+    assert not hasattr(scanned, "blocks") and not hasattr(plain, STACKED)
+    stacked = stack_blocks(_params(plain)[1])
+    jax.tree.map(np.testing.assert_array_equal, _params(scanned)[1], stacked)  # same seed, same values
+    jax.tree.map(np.testing.assert_array_equal, unstack_blocks(stacked), _params(plain)[1])
+    tokens = jax.random.randint(jax.random.key(0), (2, 21), 0, 61)
+    (loss_p, grads_p), (loss_s, grads_s) = _loss_and_grads(plain, tokens), _loss_and_grads(scanned, tokens)
+    np.testing.assert_allclose(float(loss_s), float(loss_p), rtol=1e-6)
+    assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads_p["blocks"][0]))  # every block param learns
+    _assert_trees_close(grads_s, stack_blocks(grads_p))
+
+
+@pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in SCANNABLE])
+def test_scanned_loss_and_gradients_equal_unscanned(family):
+    _check_equal_to_unscanned(family)
+
+
+@pytest.mark.parametrize("family, policy", [("linear_attention", "dots_saveable"),
+                                            pytest.param("transformer", "full", marks=pytest.mark.slow)])
+def test_scanned_remat_keeps_the_gradients(family, policy):
+    """Each scanned block rematerialised under `policy`: the unscanned model's gradients still."""
+    _check_equal_to_unscanned(family, remat=True, remat_policy=policy)
+
+
+@pytest.mark.parametrize("family", [f if f == "transformer" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in SCANNABLE])
+def test_scanned_decoding_matches_the_scanned_forward(family):
+    """The cache is one pytree stacked on the layers axis; prompt then one token at a time, through the
+    scan over layers, gives the full forward."""
+    model = models.build(tiny(family, scan_layers=True))
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    decode = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).decode(t, c))
+    tokens = jax.random.randint(jax.random.key(1), (2, 19), 0, 61)
+    cache = model.init_cache(2, 19)
+    assert all(leaf.shape[0] == 2 for leaf in jax.tree.leaves(cache))  # [layers, ...]
+    logits, cache = decode(state, tokens[:, :7], cache)
+    steps = [logits]
+    for i in range(7, 19):
+        logits, cache = decode(state, tokens[:, i:i + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(forward(state, tokens)), atol=1e-4)
+
+
+def test_scanned_train_step_does_not_grow_with_depth():
+    """The lowered train step holds one block whatever the depth (the unrolled one grows with it):
+    compile time flat in depth, measured without timing."""
+    from nlearn.train.state import make_setup
+    from nlearn.train.step import make_train_step
+
+    def lines(layers, scan):
+        config = tiny("transformer", num_layers=layers, scan_layers=scan)
+        setup = make_setup(config)
+        step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
+        batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
+        return len(jax.jit(step).lower(setup.abstract_state, batch).as_text().splitlines())
+
+    assert lines(2, True) == lines(4, True)
+    assert lines(4, False) > lines(2, False) + 1000  # what the measure would show if the scan unrolled
+
+
+def test_stacked_layout_keeps_decay_and_places_the_layers_axis_replicated():
+    """Weight decay picks the same parameters in both layouts (a stacked 1-D gate stays undecayed), and
+    the stacked axis carries the logical name `layers`, replicated by the default rules."""
+    from nlearn.train.state import make_setup
+
+    config = tiny("titans_lmm", scan_layers=True)
+    plain = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: models.build(tiny("titans_lmm"))), nnx.Param))
+    scanned = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: models.build(config)), nnx.Param))
+    mask = decay_mask(plain)
+    assert decay_mask(scanned)[STACKED] == mask["blocks"][0] == mask["blocks"][1]
+    assert jax.tree.leaves(mask["blocks"][0]).count(False) >= 4  # norms and gates exist to get this wrong
+    shardings = make_setup(config).state_shardings["params"][STACKED]
+    kernel = shardings["mlp"]["up"]["kernel"].spec
+    assert len(kernel) == 3 and kernel[0] is None
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(nnx.eval_shape(lambda: models.build(config)),
+                                                               nnx.Param)))
+    assert specs[STACKED]["mlp"]["up"]["kernel"] == jax.sharding.PartitionSpec("layers", "embed", "mlp")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("remat_policy", "most", "model.remat_policy='most': valid choices: full, dots_saveable"),
+    ("remat_policy", "dots_saveable", "set model.remat=True too"),
+])
+def test_bad_values_are_refused_in_one_line(key, value, message):
+    config = tiny("transformer")
+    with config.unlocked():
+        config.model[key] = value
+    with pytest.raises(UserError, match=message.replace("(", r"\(")) as e:
+        validate(config)
+    assert "\n" not in str(e.value)
+
+
+def test_a_family_without_a_scanned_form_refuses():
+    config = importlib.import_module("hope").get_config("tiny")
+    with config.unlocked():
+        config.model.scan_layers = True
+    with pytest.raises(UserError, match="model.scan_layers=True: family 'hope' runs its own per-block forward"):
+        validate(config)
+
+
+def test_scanned_run_resumes_exactly(tmp_path, cache_dir, text_corpus, capsys):
+    """A scanned run checkpointed at step 2 of 4 resumes there and ends where the uninterrupted run did."""
+    from nlearn.train import train_and_evaluate
+
+    config = importlib.import_module("transformer").get_config("tiny")
+    with config.unlocked():
+        config.data.update(source="text", path=text_corpus, cache_dir=cache_dir, vocab_size=300, eval_tokens=1024)
+        config.model.update(d_model=32, num_layers=2, num_heads=2, scan_layers=True)
+        config.train.update(steps=4, batch_size=4, seq_len=32, warmup_steps=1, log_every=2, peak_gflops=100.0)
+        config.checkpoint.update(every_steps=2, async_save=False)
+        config.logging.update(wandb_mode="disabled", plot=False, progress=False)
+    validate(config)
+    straight = train_and_evaluate(config, str(tmp_path))
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    os.remove(tmp_path / "eval.json")
+    capsys.readouterr()
+    resumed = train_and_evaluate(config, str(tmp_path))
+    assert "resuming from checkpoint at step 2" in capsys.readouterr().out
+    assert resumed["step"] == straight["step"] == 4
+    assert abs(resumed["loss"] - straight["loss"]) <= 1e-6 * straight["loss"]
