@@ -163,7 +163,9 @@ def babilong_source(config: ml_collections.ConfigDict) -> Corpus:
         words = haystack.haystack_words(config, split)
 
         def make(rng):
-            ex = babilong_example(rng, _pick(rng, tasks), tokenizer, int(rng.integers(min_len, seq_len + 2)), words)
+            task, seed = _pick(rng, tasks), rng.integers(2**63)
+            ex = haystack.random_length(rng, min_len, seq_len, lambda length: babilong_example(
+                np.random.default_rng(seed), task, tokenizer, length, words))
             return ex["prompt_ids"], ex["answer_ids"]
 
         return make

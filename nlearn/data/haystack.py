@@ -26,6 +26,10 @@ from nlearn.errors import UserError
 TEXT_TASK_SOURCES = ("niah", "babilong")  # data sources whose text base gives the tokenizer
 
 
+class PromptTooLong(UserError):
+    """A prompt's fixed parts (template, needles, facts) alone exceed the tokens asked for."""
+
+
 def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """`config` with data.source set to the text source a synthetic task draws its haystack from."""
     if config.data.source not in TEXT_TASK_SOURCES:
@@ -84,7 +88,8 @@ def fit_to_budget(build: Callable[[int], str], tokenizer: Tokenizer, budget: int
 
     base, lo_ids = count(0)
     if base > budget:
-        raise UserError(f"a prompt without any haystack already has {base} tokens, more than the {budget} asked")
+        raise PromptTooLong(f"a prompt without any haystack already has {base} tokens, more than the {budget} "
+                            "asked (ask for longer prompts)")
     probe = max(1, hint)
     slope = max((count(probe)[0] - base) / probe, 1e-3)
     lo, hi, n = 0, None, max(0, int((budget - base) / slope))
@@ -139,6 +144,15 @@ def qa_window(prompt: Sequence[int], answer: Sequence[int], eos_id: int, size: i
     weights = np.zeros(size, np.float32)
     weights[len(prompt):used] = 1.0
     return {"tokens": tokens, "weights": weights}
+
+
+def random_length(rng: np.random.Generator, min_len: int, seq_len: int, make):
+    """`make(length)` at a length drawn from [min_len, seq_len + 1]; at seq_len + 1 (the whole window) when
+    the drawn one cannot hold the prompt's fixed parts."""
+    try:
+        return make(int(rng.integers(min_len, seq_len + 2)))
+    except PromptTooLong:
+        return make(seq_len + 1)
 
 
 def qa_corpus(config: ml_collections.ConfigDict, name: str, tag: int, make_for_split, description: str) -> Corpus:

@@ -185,7 +185,7 @@ def distractor_needles(rng: np.random.Generator, v: Variant, count: int, needles
 
 def niah_example(rng: np.random.Generator, v: Variant, tokenizer, length: int, depth: float, words=()) -> dict:
     """One prompt whose tokens with its answer and EOS number at most `length` (RULER counts the reply in the
-    length too): {"prompt", "prompt_ids", "answers", "answer_ids", "depth", "haystack_size"}."""
+    length too): {"prompt", "prompt_ids", "answers", "queries", "answer_ids", "depth", "haystack_size"}."""
     needles = draw_needles(rng, v)
     answer_ids = tokenizer.encode(answer_text(needles.answers))
     budget = length - len(answer_ids) - 1
@@ -198,7 +198,8 @@ def niah_example(rng: np.random.Generator, v: Variant, tokenizer, length: int, d
 
     hint = {"repeat": 8, "needle": 8, "essay": 256}[v.haystack]
     n, ids = haystack.fit_to_budget(build, tokenizer, budget, hint)
-    return {"prompt": build(n), "prompt_ids": ids, "answers": needles.answers, "answer_ids": answer_ids,
+    return {"prompt": build(n), "prompt_ids": ids, "answers": needles.answers, "queries": needles.queries,
+            "answer_ids": answer_ids,
             "depth": depth, "haystack_size": n}
 
 
@@ -236,9 +237,9 @@ def niah_source(config: ml_collections.ConfigDict) -> Corpus:
         words = haystack.haystack_words(config, split) if any(v.haystack == "essay" for v in variants) else ()
 
         def make(rng):
-            v = variants[int(rng.integers(len(variants)))]
-            length = int(rng.integers(min_len, seq_len + 2))  # the window holds seq_len + 1 tokens
-            example = niah_example(rng, v, tokenizer, length, float(rng.random()), words)
+            v, depth, seed = variants[int(rng.integers(len(variants)))], float(rng.random()), rng.integers(2**63)
+            example = haystack.random_length(rng, min_len, seq_len, lambda length: niah_example(
+                np.random.default_rng(seed), v, tokenizer, length, depth, words))
             return example["prompt_ids"], example["answer_ids"]
 
         return make
