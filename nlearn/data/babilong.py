@@ -152,23 +152,5 @@ def babilong_source(config: ml_collections.ConfigDict) -> Corpus:
     """`data.source='babilong'`: windows of train.seq_len + 1 tokens, each a story of a task from
     data.babilong.tasks in corpus text of a random length in [data.babilong.min_len, seq_len], its answer and
     EOS; the loss falls on the answer and EOS only."""
-    b = config.data.babilong
-    tasks = parse_tasks(b.tasks)
-    seq_len, min_len = int(config.train.seq_len), int(b.min_len)
-    if not 0 < min_len <= seq_len:
-        raise UserError(f"data.babilong.min_len={min_len} must be in [1, train.seq_len={seq_len}]")
-    tokenizer = haystack.text_tokenizer(config)
-
-    def make_for_split(split):
-        words = haystack.haystack_words(config, split)
-
-        def make(rng):
-            task, seed = _pick(rng, tasks), rng.integers(2**63)
-            ex = haystack.random_length(rng, min_len, seq_len, lambda length: babilong_example(
-                np.random.default_rng(seed), task, tokenizer, length, words))
-            return ex["prompt_ids"], ex["answer_ids"]
-
-        return make
-
-    return haystack.qa_corpus(config, "babilong", SEED_TAG, make_for_split,
-                              f"babilong: {b.tasks} stories in {min_len}-{seq_len} tokens of text")
+    return haystack.qa_source(config, "babilong", SEED_TAG, parse_tasks(config.data.babilong.tasks),
+                              babilong_example, True, f"babilong: {config.data.babilong.tasks} stories in text")

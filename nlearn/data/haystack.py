@@ -155,29 +155,45 @@ def random_length(rng: np.random.Generator, min_len: int, seq_len: int, make):
         return make(seq_len + 1)
 
 
-def qa_corpus(config: ml_collections.ConfigDict, name: str, tag: int, make_for_split, description: str) -> Corpus:
-    """An unpacked token corpus of generated QA windows for `data.source=name` (`data.<name>` holds
-    train_examples / eval_examples); `make_for_split(split) -> make(rng)`."""
+def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Sequence, make_example,
+              needs_words: bool, description: str) -> Corpus:
+    """The unpacked token corpus of `data.source=name`: windows of train.seq_len + 1 tokens, each
+    `make_example(rng, kind, tokenizer, length, words)` (a dict with "prompt_ids" and "answer_ids") of a kind
+    drawn from `kinds` and a length drawn from [data.<name>.min_len, seq_len + 1], then EOS and padding."""
     section = config.data.get(name)
     if section is None:
         raise UserError(f"data.source={name!r} needs a config.data.{name} section (see data_config())")
-    tokenizer = text_tokenizer(config)
+    seq_len, min_len = int(config.train.seq_len), int(section.min_len)
+    if not 0 < min_len <= seq_len:
+        raise UserError(f"data.{name}.min_len={min_len} must be in [1, train.seq_len={seq_len}]")
     counts = {}
     for split in ("train_examples", "eval_examples"):
         counts[split] = int(section[split])
         if counts[split] < 1:
             raise UserError(f"data.{name}.{split} must be at least 1, got {counts[split]}")
+    tokenizer = text_tokenizer(config)
+
+    def make_for_split(split):
+        words = haystack_words(config, split) if needs_words else ()
+
+        def make(rng):
+            kind, seed = kinds[int(rng.integers(len(kinds)))], rng.integers(2**63)
+            ex = random_length(rng, min_len, seq_len, lambda length: make_example(
+                np.random.default_rng(seed), kind, tokenizer, length, words))
+            return ex["prompt_ids"], ex["answer_ids"]
+
+        return make
+
     seed = int(config.train.seed) % 2**64
-    length = int(config.train.seq_len)
-    key = f"{name}-" + cache.short_hash([section.to_dict(), counts, seed, length, tokenizer.fingerprint])
+    key = f"{name}-" + cache.short_hash([section.to_dict(), counts, seed, seq_len, tokenizer.fingerprint])
     return Corpus(
         key=key,
-        train=QAExamples(counts["train_examples"], 0, seed, tag, length, make_for_split("train"), tokenizer.eos_id),
-        validation=QAExamples(counts["eval_examples"], 1, seed, tag, length, make_for_split("validation"),
+        train=QAExamples(counts["train_examples"], 0, seed, tag, seq_len, make_for_split("train"), tokenizer.eos_id),
+        validation=QAExamples(counts["eval_examples"], 1, seed, tag, seq_len, make_for_split("validation"),
                               tokenizer.eos_id),
         vocab_size=tokenizer.vocab_size,
         pack=False,
         accuracy_key=f"{name}_accuracy",
         description=f"{description}; {counts['train_examples']} train / {counts['eval_examples']} eval windows "
-                    f"of {length} tokens (seed {seed})",
+                    f"of {seq_len} tokens (seed {seed})",
     )

@@ -224,25 +224,12 @@ SEED_TAG = 0x6E696168  # "niah"
 
 def niah_source(config: ml_collections.ConfigDict) -> Corpus:
     """`data.source='niah'`: windows of train.seq_len + 1 tokens, each a RULER prompt of a random length in
-    [data.niah.min_len, seq_len] (variant from data.niah.variants, needle at a uniform depth), its answer
-    and EOS; the loss falls on the answer and EOS only."""
-    n = config.data.niah
-    variants = [VARIANTS[name] for name in parse_variants(n.variants)]
-    seq_len, min_len = int(config.train.seq_len), int(n.min_len)
-    if not 0 < min_len <= seq_len:
-        raise UserError(f"data.niah.min_len={min_len} must be in [1, train.seq_len={seq_len}]")
-    tokenizer = haystack.text_tokenizer(config)
+    [data.niah.min_len, seq_len] (variant from data.niah.variants, needle at a uniform depth), its answer and
+    EOS; the loss falls on the answer and EOS only."""
+    variants = [VARIANTS[name] for name in parse_variants(config.data.niah.variants)]
 
-    def make_for_split(split):
-        words = haystack.haystack_words(config, split) if any(v.haystack == "essay" for v in variants) else ()
+    def make(rng, v, tokenizer, length, words):
+        return niah_example(rng, v, tokenizer, length, float(rng.random()), words)
 
-        def make(rng):
-            v, depth, seed = variants[int(rng.integers(len(variants)))], float(rng.random()), rng.integers(2**63)
-            example = haystack.random_length(rng, min_len, seq_len, lambda length: niah_example(
-                np.random.default_rng(seed), v, tokenizer, length, depth, words))
-            return example["prompt_ids"], example["answer_ids"]
-
-        return make
-
-    return haystack.qa_corpus(config, "niah", SEED_TAG, make_for_split,
-                              f"niah: RULER {n.variants} prompts of {min_len}-{seq_len} tokens")
+    return haystack.qa_source(config, "niah", SEED_TAG, variants, make, any(v.haystack == "essay" for v in variants),
+                              f"niah: RULER {config.data.niah.variants} prompts")
