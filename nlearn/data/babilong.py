@@ -136,13 +136,7 @@ def babilong_example(rng: np.random.Generator, task: str, tokenizer, length: int
 
 
 def parse_tasks(spec: str, key: str = "data.babilong.tasks") -> list[str]:
-    names = [s.strip() for s in str(spec).split(",") if s.strip()]
-    if names == ["all"]:
-        return list(FACTS)
-    bad = [n for n in names if n not in FACTS]
-    if bad or not names:
-        raise UserError(f"{key}={spec!r}: choose from all, {', '.join(FACTS)}")
-    return names
+    return haystack.parse_names(spec, FACTS, key)
 
 
 SEED_TAG = 0x62616269  # "babi"

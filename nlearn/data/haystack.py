@@ -30,6 +30,16 @@ class PromptTooLong(UserError):
     """A prompt's fixed parts (template, needles, facts) alone exceed the tokens asked for."""
 
 
+def parse_names(spec: str, choices, key: str) -> list[str]:
+    """A comma list of names from `choices` ("all": every one); UserError naming `key` and the choices."""
+    names = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if names == ["all"]:
+        return list(choices)
+    if not names or any(n not in choices for n in names):
+        raise UserError(f"{key}={spec!r}: choose from all, {', '.join(choices)}")
+    return names
+
+
 def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """`config` with data.source set to the text source a synthetic task draws its haystack from."""
     if config.data.source not in TEXT_TASK_SOURCES:

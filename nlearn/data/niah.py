@@ -210,13 +210,7 @@ def string_match_all(prediction: str, references: list[str]) -> float:
 
 
 def parse_variants(spec: str, key: str = "data.niah.variants") -> list[str]:
-    names = [s.strip() for s in str(spec).split(",") if s.strip()]
-    if names == ["all"]:
-        return list(VARIANTS)
-    bad = [n for n in names if n not in VARIANTS]
-    if bad or not names:
-        raise UserError(f"{key}={spec!r}: choose from all, {', '.join(VARIANTS)}")
-    return names
+    return haystack.parse_names(spec, VARIANTS, key)
 
 
 SEED_TAG = 0x6E696168  # "niah"
