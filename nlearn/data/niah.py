@@ -19,7 +19,6 @@ import numpy as np
 
 from nlearn.data import haystack
 from nlearn.data.corpus import Corpus
-from nlearn.errors import UserError
 
 # RULER scripts/data/synthetic/constants.py ('niah') and niah.py, verbatim.
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
