@@ -68,11 +68,14 @@ class LanguageModel(nnx.Module):
         """Per-layer decoding state: KV ring buffers for attention, memory states for the rest."""
         return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
 
-    def decode(self, tokens_BT, cache):
-        """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds."""
+    def decode(self, tokens_BT, cache, probe=None):
+        """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds. `probe(block,
+        x_BTD, layer_cache)`, if given, sees every block's input before the block runs (diagnostics)."""
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
         new_cache = []
         for block, layer_cache in zip(self.blocks, cache):
+            if probe is not None:
+                probe(block, x, layer_cache)
             x, layer_cache = block(x, layer_cache)
             new_cache.append(layer_cache)
         return self._logits(x), new_cache
