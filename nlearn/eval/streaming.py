@@ -1,0 +1,114 @@
+"""Long inputs through a model's decoding state, chunk by chunk: prefill in pieces, then greedy decoding.
+
+Recurrent families carry a fixed-size state, so memory stays constant with the input's length; attention
+keeps its cache as it is (full attention: one slot per token, allocated for the whole stream; a sliding
+window: a bounded ring). One jitted chunk step serves every chunk of the same shape (a stream compiles at
+most three: the full chunk, its tail, and one token), and the cache is donated to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from nlearn.train.step import cast_params
+
+
+def make_chunk_step(graphdef, dtype=jnp.float32) -> Callable:
+    """Jitted `(params, tokens [B, T], targets [B, T] | None, cache) -> (last logits [B, V], losses [B, T]
+    | None, cache)`; the losses are next-token cross-entropies of `targets` (no [B, T, V] leaves the step)."""
+
+    def step(params, tokens_BT, targets_BT, cache):
+        model = nnx.merge(graphdef, cast_params(params, dtype))
+        logits_BTV, cache = model.decode(tokens_BT, cache)
+        losses = (None if targets_BT is None
+                  else optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT))
+        return logits_BTV[:, -1], losses, cache
+
+    return jax.jit(step, donate_argnums=(3,))
+
+
+@dataclasses.dataclass
+class Streamer:
+    """Feeds token streams of any length through `graphdef`'s `decode` in chunks of `chunk_size`.
+
+    `max_len` bounds what a full-attention cache must hold (prompt + generated tokens); recurrent and
+    sliding-window caches ignore it.
+    """
+
+    graphdef: object
+    params: object
+    chunk_size: int = 512
+    dtype: object = jnp.float32
+
+    def __post_init__(self):
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        self._step = make_chunk_step(self.graphdef, self.dtype)
+
+    def init_cache(self, batch: int, max_len: int):
+        """A fresh decoding cache whose leaves are distinct buffers (the chunk step donates them)."""
+        cache = nnx.merge(self.graphdef, self.params).init_cache(batch, max_len, self.dtype)
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), cache)
+
+    def _chunks(self, length: int) -> Iterable[slice]:
+        for start in range(0, length, self.chunk_size):
+            yield slice(start, min(start + self.chunk_size, length))
+
+    def prefill(self, tokens_BT, cache):
+        """Feed `tokens [B, T]` after what `cache` holds: (logits after the last token [B, V], cache)."""
+        tokens_BT = np.asarray(tokens_BT, np.int32)
+        if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
+            raise ValueError(f"tokens must be [batch, length >= 1], got shape {tokens_BT.shape}")
+        logits = None
+        for s in self._chunks(tokens_BT.shape[1]):
+            logits, _, cache = self._step(self.params, jnp.asarray(tokens_BT[:, s]), None, cache)
+        return logits, cache
+
+    def losses(self, tokens_BT, cache=None) -> np.ndarray:
+        """Next-token cross-entropy `[B, T - 1]` of a stream `tokens [B, T]`, fed chunk by chunk."""
+        tokens_BT = np.asarray(tokens_BT, np.int32)
+        if tokens_BT.ndim != 2 or tokens_BT.shape[1] < 2:
+            raise ValueError(f"tokens must be [batch, length >= 2], got shape {tokens_BT.shape}")
+        inputs, targets = tokens_BT[:, :-1], tokens_BT[:, 1:]
+        cache = self.init_cache(inputs.shape[0], inputs.shape[1]) if cache is None else cache
+        out = []
+        for s in self._chunks(inputs.shape[1]):
+            _, loss, cache = self._step(self.params, jnp.asarray(inputs[:, s]), jnp.asarray(targets[:, s]), cache)
+            out.append(np.asarray(loss))
+        return np.concatenate(out, axis=1)
+
+    def greedy(self, logits_BV, cache, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Greedy continuation from `logits` (after a prefill): per row, the new ids up to (not including)
+        the first of `stop_ids`, at most `max_new_tokens`."""
+        rows = [[] for _ in range(logits_BV.shape[0])]
+        done = np.zeros(len(rows), bool)
+        for i in range(max_new_tokens):
+            token = np.asarray(jnp.argmax(logits_BV, axis=-1), np.int32)
+            for r, t in enumerate(token):
+                done[r] |= int(t) in stop_ids
+                if not done[r]:
+                    rows[r].append(int(t))
+            if done.all() or i == max_new_tokens - 1:
+                break
+            logits_BV, _, cache = self._step(self.params, jnp.asarray(token[:, None]), None, cache)
+        return rows
+
+    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 cache=None) -> list[int]:
+        """Greedy completion of one prompt (batch of one), streamed: the new token ids."""
+        if cache is None:
+            cache = self.init_cache(1, len(prompt_ids) + max_new_tokens)
+        logits, cache = self.prefill(np.asarray([prompt_ids], np.int32), cache)
+        return self.greedy(logits, cache, max_new_tokens, stop_ids)[0]
+
+
+def streamer_for(ctx, dtype: Optional[object] = None) -> Streamer:
+    """A Streamer over a task context's model at its chunk size (float32 unless `dtype`)."""
+    return Streamer(ctx.graphdef, ctx.params, ctx.stream_chunk, jnp.float32 if dtype is None else dtype)
