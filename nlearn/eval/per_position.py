@@ -77,13 +77,24 @@ def make_probe_step(graphdef, dtype=jnp.float32, inner: bool = True):
     return jax.jit(step)  # no donation: a fresh cache may hold one buffer twice (θ and its mini-batch start)
 
 
+_STEPS: dict = {}  # (id(graphdef), dtype, inner) -> (graphdef, step): the entry keeps the graphdef (and its id) alive
+
+
+def probe_step(graphdef, dtype=jnp.float32, inner: bool = True):
+    """`make_probe_step`, one per model definition, so repeated streams reuse its compilations."""
+    key = (id(graphdef), jnp.dtype(dtype).name, inner)
+    if key not in _STEPS:
+        _STEPS[key] = (graphdef, make_probe_step(graphdef, dtype, inner))
+    return _STEPS[key][1]
+
+
 def stream_losses(graphdef, params, tokens_NL1, chunk_size: int, dtype=jnp.float32, inner: bool = True):
     """Stream `tokens [N, L + 1]` through the model in chunks: `(losses [N, L], {layer: (before, after) [N, L]})`."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     inputs, targets = tokens_NL1[:, :-1], tokens_NL1[:, 1:]
     n, length = inputs.shape
-    step = make_probe_step(graphdef, dtype, inner)
+    step = probe_step(graphdef, dtype, inner)
     cache = nnx.merge(graphdef, params).init_cache(n, length, dtype)
     losses, per_layer = [], {}
     for start in range(0, length, chunk_size):
