@@ -9,7 +9,7 @@ PRESET ?= tiny
 WORKDIR ?= runs/$(MODEL)-$(PRESET)
 ARGS ?=
 
-.PHONY: setup train test test-all eval bench mqar notebooks lint clean
+.PHONY: setup train test test-all eval bench mqar results notebooks lint clean
 
 # uv resolves and downloads in parallel (~40 s here vs ~7 min for pip); pip is the fallback.
 INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python
@@ -46,6 +46,10 @@ bench: setup
 ## Train every family on MQAR and write results/mqar.md.
 mqar: setup
 	$(BIN)/python scripts/mqar.py $(ARGS)
+
+## Tables and plots in results/ from the workdirs' eval/*.json (ARGS: workdir globs, default runs/* runs/*/*).
+results: setup
+	$(BIN)/python scripts/make_results.py $(ARGS)
 
 ## Rebuild notebooks/*.ipynb (outputs stripped) from their sources in notebooks/src/.
 notebooks: setup

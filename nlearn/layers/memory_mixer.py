@@ -23,6 +23,7 @@ from nlearn.memory.neural_memory import init_state as neural_memory_init_state
 from nlearn.memory.neural_memory import neural_memory, neural_memory_step
 from nlearn.memory import sequence_parallel as sp
 from nlearn.memory.inner_optimizers import get_inner_optimizer
+from nlearn.memory.objectives import get_objective, l2
 from nlearn.memory.ttt import ttt_linear, ttt_linear_init_state, ttt_linear_step
 from nlearn.memory.ttt_mlp import ttt_mlp, ttt_mlp_init_state, ttt_mlp_step
 
@@ -79,10 +80,8 @@ class MemoryMixer(nnx.Module):
         convs = [conv.init_cache(batch, width, dtype) for conv in self.convs]
         return {"convs": convs, "state": self.initial_state(batch)}
 
-    def heads(self, x_BTD, cache=None):
-        """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache."""
-        if cache is None and sp.context_axis_size() > 1:
-            return self.out_norm(self._heads_over_sequence(x_BTD)), None
+    def project(self, x_BTD, cache=None):
+        """What the op reads and writes: `(q, k, v [B, T, H, D], gates, conv caches)`."""
         b, t, _ = x_BTD.shape
         qkv, conv_caches = [], []
         for i, proj in enumerate((self.q, self.k, self.v)):
@@ -91,9 +90,15 @@ class MemoryMixer(nnx.Module):
                 h, c = self.convs[i](h, None if cache is None else cache["convs"][i])
                 conv_caches.append(c)
             qkv.append(h.reshape(b, t, self.num_heads, self.head_dim))
-        q, k, v = self.featurize(*qkv)
+        return (*self.featurize(*qkv), self.gates(x_BTD), conv_caches)
+
+    def heads(self, x_BTD, cache=None):
+        """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache."""
+        if cache is None and sp.context_axis_size() > 1:
+            return self.out_norm(self._heads_over_sequence(x_BTD)), None
+        q, k, v, gates, conv_caches = self.project(x_BTD, cache)
         state = None if cache is None else cache["state"]
-        o, state = self.memory(q, k, v, self.gates(x_BTD), state)
+        o, state = self.memory(q, k, v, gates, state)
         return self.out_norm(o), (None if cache is None else {"convs": conv_caches, "state": state})
 
     def _heads_over_sequence(self, x_BTD):
@@ -113,6 +118,31 @@ class MemoryMixer(nnx.Module):
         seq = P(None, sp.SEQUENCE_AXIS)
         return jax.shard_map(shard, in_specs=(P(), seq, seq), out_specs=seq, axis_names={sp.SEQUENCE_AXIS})(
             weights, projected, self.gates(x_BTD))
+
+    # --- diagnostics -----------------------------------------------------------------------
+    def inner_objective(self):
+        """The per-token loss `(pred [..., D], v [..., D]) -> [...]` the op's writes descend; None for a
+        memory that is no learner (linear attention)."""
+        return None
+
+    def inner_losses(self, x_BTD, cache):
+        """Inner loss of each token before and after its write, `(l_t(θ_{t-1}), l_t(θ_t))`, each `[B, T, H]`,
+        continuing the stream in `cache` (left unchanged). Recomputed with the op itself, its math untouched:
+        the op reads after writing, so reading with q = k gives f(k_t; θ_t) and with q_t = k_{t+1} gives
+        f(k_{t+1}; θ_t); the first token's f(k_0; θ_{-1}) is a read-only step (all gates zero: no write).
+        None when the memory is no learner."""
+        objective = self.inner_objective()
+        if objective is None:
+            return None
+        q, k, v, gates, _ = self.project(x_BTD, cache)
+        state = cache["state"]
+        after = self.memory(k, k, v, gates, state)[0]
+        ahead = self.memory(jnp.concatenate([k[:, 1:], k[:, -1:]], 1), k, v, gates, state)[0]
+        silent = tuple(None if g is None else jnp.zeros_like(g[:, :1]) for g in gates)
+        first = self.memory(k[:, :1], k[:, :1], v[:, :1], silent, state)[0]
+        before = jnp.concatenate([first, ahead[:, :-1]], 1)
+        v32 = v.astype(jnp.float32)
+        return objective(before.astype(jnp.float32), v32), objective(after.astype(jnp.float32), v32)
 
     def __call__(self, x_BTD, cache=None):
         b, t, _ = x_BTD.shape
@@ -183,6 +213,9 @@ class DeltaNetMixer(MemoryMixer):
     def sequence_op(self):
         return partial(sp.gated_delta_rule_shard if self.gated else sp.delta_rule_shard, chunk_size=self.chunk_size)
 
+    def inner_objective(self):
+        return l2  # S_t = S_{t-1} - beta_t * grad of 1/2 |k_t S - v_t|^2 (after the decay, when gated)
+
     def memory(self, q, k, v, gates, state):
         step, full = ((gated_delta_rule_step, gated_delta_rule) if self.gated
                       else (delta_rule_step, delta_rule))
@@ -236,6 +269,9 @@ class NeuralMemoryMixer(MemoryMixer):
     def _weights0(self):
         return tuple(w[...] for w in self.weights0)
 
+    def inner_objective(self):
+        return get_objective(self.options["objective"])
+
     def initial_state(self, batch):
         return neural_memory_init_state(self._weights0(), batch)
 
@@ -272,6 +308,9 @@ class TTTMixer(MemoryMixer):
 
     def _ln(self):
         return dict(ln_scale=self.ln_scale[...], ln_bias=self.ln_bias[...], minibatch=self.minibatch)
+
+    def inner_objective(self):
+        return l2  # 1/2 |f(k) - v|^2, f = k + LN(inner model(k))
 
 
 class TTTLinearMixer(TTTMixer):

@@ -239,6 +239,14 @@ class MACMixer(nnx.Module):
         segments before its own (for tests and inspection)."""
         return self._forward(x_BTD)[1]
 
+    def inner_losses(self, x_BTD, cache):
+        """The LMM's inner loss before and after each write (`MemoryMixer.inner_losses`) when it writes the
+        segment's tokens (`mac_memory_input="x"`); None when it writes attention outputs, which only the
+        segment loop sees."""
+        if self.memory_input != "x":
+            return None
+        return self.lmm.inner_losses(self.lmm_norm(x_BTD), cache["lmm"])
+
     # --- decoding -----------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         shape = (batch, self.segment_len, self.num_heads, self.head_dim)
@@ -332,6 +340,10 @@ class MAGMixer(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return {"attn": self.attn.init_cache(batch, max_len, dtype), "lmm": self.lmm.init_cache(batch, max_len, dtype)}
 
+    def inner_losses(self, x_BTD, cache):
+        """The LMM's inner loss before and after each write (`MemoryMixer.inner_losses`)."""
+        return self.lmm.inner_losses(x_BTD, cache["lmm"])
+
     def __call__(self, x_BTD, cache=None):
         b, t, _ = x_BTD.shape
         a, attn_cache = self.attn.heads(x_BTD, None if cache is None else cache["attn"])
@@ -364,6 +376,10 @@ class MALMixer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return {"lmm": self.lmm.init_cache(batch, max_len, dtype), "attn": self.attn.init_cache(batch, max_len, dtype)}
+
+    def inner_losses(self, x_BTD, cache):
+        """The LMM's inner loss before and after each write (`MemoryMixer.inner_losses`)."""
+        return self.lmm.inner_losses(x_BTD, cache["lmm"])
 
     def __call__(self, x_BTD, cache=None):
         u, lmm_cache = self.lmm(x_BTD, None if cache is None else cache["lmm"])

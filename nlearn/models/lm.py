@@ -147,8 +147,18 @@ class LanguageModel(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         return jax.vmap(lambda s: nnx.merge(graphdef, s).init_cache(batch, max_len, dtype))(state)
 
-    def decode(self, tokens_BT, cache):
-        """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds."""
+    def decode(self, tokens_BT, cache, probe=None):
+        """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds. `probe(block,
+        x_BTD, layer_cache)`, if given, sees every block's input before the block runs (diagnostics)."""
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
-        x, cache = self._run_blocks(x, cache)
-        return self._logits(x), cache
+        if probe is None:
+            x, cache = self._run_blocks(x, cache)
+            return self._logits(x), cache
+        if self.scanned:
+            raise ValueError("decode(probe=...) runs the blocks one by one: it needs model.scan_layers=False")
+        new_cache = []
+        for block, layer_cache in zip(self.blocks, cache):
+            probe(block, x, layer_cache)
+            x, layer_cache = block(x, layer_cache)
+            new_cache.append(layer_cache)
+        return self._logits(x), new_cache

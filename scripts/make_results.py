@@ -1,0 +1,245 @@
+"""`make results`: turn the workdirs' `eval/*.json` (what `nlearn-eval --task=...` writes) into results/*.md
+tables and plots.
+
+  python scripts/make_results.py                          # every runs/*/ and runs/*/*/ with eval/*.json
+  python scripts/make_results.py 'runs/niah/*' runs/lm --out=results
+
+For the tasks it finds it writes niah.md (accuracy by length, and a length x depth heatmap per run,
+niah_<label>.png), per_position.md (every run's loss-by-position curve on one plot, per_position.png),
+lm_eval.md (`--task=perplexity`) and mqar_eval.md (`--task=mqar`). A run is labelled by its model family (plus
+its directory's name when several runs share a family).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from results_md import RESULTS_DIR, write_results  # noqa: E402
+
+DEFAULT_PATTERNS = ("runs/*", "runs/*/*")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the workdirs
+
+
+def read_evals(workdir: str) -> dict:
+    """`{task: record}` from `workdir/eval/*.json` (samples files and non-records skipped)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(workdir, "eval", "*.json"))):
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: cannot read {path}: {e}") from e
+        if isinstance(record, dict) and "task" in record:
+            out[record["task"]] = record
+    return out
+
+
+def find_runs(patterns) -> list[dict]:
+    """Each directory matching a pattern that holds eval records: `{"workdir", "family", "seq_len", "evals"}`."""
+    runs, seen = [], set()
+    for pattern in patterns:
+        for workdir in sorted(glob.glob(pattern)):
+            workdir = os.path.normpath(workdir)
+            if workdir in seen or not os.path.isdir(workdir):
+                continue
+            seen.add(workdir)
+            evals = read_evals(workdir)
+            if not evals:
+                continue
+            config = next((r["config"] for r in evals.values() if isinstance(r.get("config"), dict)), {})
+            family = config.get("model", {}).get("family") or next(
+                (r["family"] for r in evals.values() if "family" in r), os.path.basename(workdir))
+            seq_len = config.get("train", {}).get("seq_len") or next(
+                (r["train_seq_len"] for r in evals.values() if "train_seq_len" in r), None)
+            runs.append({"workdir": workdir, "family": family, "seq_len": seq_len, "evals": evals})
+    labels = [r["family"] for r in runs]
+    for r in runs:
+        unique = labels.count(r["family"]) == 1
+        r["label"] = r["family"] if unique else f"{r['family']} ({os.path.basename(r['workdir'])})"
+    return runs
+
+
+def file_label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+
+
+def pct(x) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
+# ----------------------------------------------------------------------------------------------
+# NIAH
+
+
+def niah_table(runs: list[dict]) -> str:
+    """Accuracy per run and variant (rows) by prompt length (columns; multiples of the run's training window)."""
+    lengths = sorted({int(k) for r in runs for k in r["evals"]["niah"].get("by_length", {})})
+    out = ["| run | variant | trained at | " + " | ".join(str(n) for n in lengths) + " | overall |",
+           "|---|---|---|" + "---|" * (len(lengths) + 1)]
+    for r in runs:
+        record = r["evals"]["niah"]
+        variants = record.get("by_variant") or {"all": record}
+        for name, v in variants.items():
+            by_length = v.get("by_length", {})
+            cells = [pct(by_length.get(str(n))) for n in lengths]
+            out.append(f"| {r['label']} | {name} | {r['seq_len'] or '?'} | " + " | ".join(cells)
+                       + f" | {pct(v.get('accuracy'))} |")
+    return "\n".join(out)
+
+
+def niah_heatmap(label: str, record: dict, path: str) -> str:
+    """Accuracy by prompt length (rows) and needle depth (columns), all variants together."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = record.get("by_length_depth", {})
+    lengths = sorted(grid, key=int)
+    depths = sorted({d for row in grid.values() for d in row}, key=float)
+    acc = np.array([[grid[n].get(d, np.nan) for d in depths] for n in lengths], float)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(depths), 1.0 + 0.4 * len(lengths)))
+    ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i in range(len(lengths)):
+        for j in range(len(depths)):
+            if not np.isnan(acc[i, j]):
+                ax.text(j, i, f"{100 * acc[i, j]:.0f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths], fontsize=7)
+    ax.set_yticks(range(len(lengths)), lengths, fontsize=7)
+    ax.set(xlabel="needle depth", ylabel="prompt tokens", title=f"{label}: NIAH accuracy")
+    ax.title.set_fontsize(8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
+    runs = [r for r in runs if "niah" in r["evals"]]
+    if not runs:
+        return []
+    images = []
+    for r in runs:
+        name = f"niah_{file_label(r['label'])}.png"
+        niah_heatmap(r["label"], r["evals"]["niah"], os.path.join(out_dir, name))
+        images.append(f"![{r['label']}]({name})")
+    scoring = runs[0]["evals"]["niah"].get("scoring", "")
+    note = ("Accuracy by prompt length in tokens (columns; \"trained at\": the run's training window)"
+            + (f"; scoring: {scoring}" if scoring else "") + ". Heatmaps: length x needle depth, all variants.")
+    table = niah_table(runs) + "\n\n" + "\n".join(images)
+    return [write_results("niah.md", "Needle in a haystack", command, table, note, directory=out_dir)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss by position
+
+
+def per_position_table(runs: list[dict]) -> str:
+    out = ["| run | step | trained at | positions | documents | loss within window | beyond window | "
+           "inner loss before / after write |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        e = r["evals"]["per_position"]
+        inner = e.get("inner_loss")
+        inner = "" if not inner else f"{inner['mean_before']:.3f} / {inner['mean_after']:.3f}"
+        beyond = e.get("beyond_window_loss")
+        beyond = "" if beyond is None else f"{beyond:.3f}"
+        out.append(f"| {r['label']} | {e.get('step', '')} | {e.get('train_seq_len', r['seq_len'])} | {e['length']} | "
+                   f"{e['documents']} ({e.get('source', '')}) | {e['within_window_loss']:.3f} | "
+                   f"{beyond} | {inner} |")
+    return "\n".join(out)
+
+
+def write_per_position(runs: list[dict], out_dir: str, command: str) -> list[str]:
+    from nlearn.eval.per_position import plot_loss_by_position
+
+    runs = [r for r in runs if "per_position" in r["evals"]]
+    if not runs:
+        return []
+    plot_loss_by_position({r["label"]: r["evals"]["per_position"] for r in runs},
+                          os.path.join(out_dir, "per_position.png"), "Loss by position, held-out documents")
+    note = ("Mean next-token loss (nats) by token position over held-out documents fed from their first token "
+            "through the streaming state; bands: 95% over documents; dashed: the training window. Inner loss: "
+            "each memory layer's own objective on its (k_t, v_t) before and after the token's write, mean over "
+            "heads and layers.")
+    table = per_position_table(runs) + "\n\n![loss by position](per_position.png)"
+    return [write_results("per_position.md", "Loss by position", command, table, note, directory=out_dir)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Perplexity and MQAR
+
+
+def tokens_seen(record: dict):
+    train = record.get("config", {}).get("train", {})
+    if not train:
+        return None
+    return int(record["step"]) * int(train["batch_size"]) * int(train["seq_len"])
+
+
+def metric_table(runs: list[dict], task: str, columns: list[tuple[str, str]]) -> str:
+    """One row per run: label, step, training tokens, then `(header, key)` columns of its eval record."""
+    out = ["| run | step | training tokens | " + " | ".join(h for h, _ in columns) + " |",
+           "|---|---|---|" + "---|" * len(columns)]
+    for r in runs:
+        e = r["evals"][task]
+        seen = tokens_seen(e)
+        cells = []
+        for _, key in columns:
+            value = e.get(key)
+            cells.append("" if value is None else (pct(value) if "accuracy" in key else f"{value:.3f}"))
+        out.append(f"| {r['label']} | {e.get('step', '')} | {'' if seen is None else f'{seen:,}'} | "
+                   + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def write_metric_tables(runs: list[dict], out_dir: str, command: str) -> list[str]:
+    written = []
+    lm = [r for r in runs if "perplexity" in r["evals"]]
+    if lm:
+        table = metric_table(lm, "perplexity", [("validation loss", "loss"), ("perplexity", "perplexity")])
+        written.append(write_results("lm_eval.md", "Language modelling: validation perplexity of the checkpoints",
+                                     command, table, "From `nlearn-eval --task=perplexity` of each workdir.",
+                                     directory=out_dir))
+    mqar = [r for r in runs if "mqar" in r["evals"]]
+    if mqar:
+        key = "mqar_accuracy" if all("mqar_accuracy" in r["evals"]["mqar"] for r in mqar) else "accuracy"
+        table = metric_table(mqar, "mqar", [("MQAR accuracy", key)])
+        written.append(write_results("mqar_eval.md", "MQAR: recall of the checkpoints", command, table,
+                                     "From `nlearn-eval --task=mqar` of each workdir.", directory=out_dir))
+    return written
+
+
+def main(argv=None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdirs", nargs="*", help=f"workdir globs (default: {' '.join(DEFAULT_PATTERNS)})")
+    parser.add_argument("--out", default=RESULTS_DIR, help="directory of the tables and plots (default results/)")
+    args = parser.parse_args(argv)
+    patterns = args.workdirs or [os.path.join(ROOT, p) for p in DEFAULT_PATTERNS]
+    runs = find_runs(patterns)
+    if not runs:
+        raise SystemExit(f"error: no eval/*.json in {' '.join(patterns)}; run nlearn-eval --task=... on a workdir "
+                         "first")
+    os.makedirs(args.out, exist_ok=True)
+    command = "make results" if not args.workdirs else "python scripts/make_results.py " + " ".join(args.workdirs)
+    written = (write_niah(runs, args.out, command) + write_per_position(runs, args.out, command)
+               + write_metric_tables(runs, args.out, command))
+    for path in written:
+        print(path)
+    return written
+
+
+if __name__ == "__main__":
+    main()
