@@ -188,6 +188,32 @@ def test_a_killed_process_stops_the_others(tmp_path, cache_dir, text_corpus):
             assert "leader task was preempted/died" in err, err[-3000:]
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_at_one_step_with_a_checkpoint(tmp_path, cache_dir, text_corpus):
+    """Ctrl-C to launch_local: every process gets SIGTERM, they agree on a step (JAX's preemption sync
+    point), save one checkpoint there and exit 0; the same command then resumes from it."""
+    import signal
+
+    args = ["--config=configs/transformer.py:tiny", *tiny_overrides(cache_dir, text_corpus),
+            "--config.train.steps=100000", "--config.checkpoint.every_steps=100000", f"--workdir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, LAUNCH, "--processes=2", "--devices_per_process=2", "--", *args],
+                            cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("[p0] step"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out = "".join(lines) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    saved = next(line for line in out.splitlines() if "received SIGTERM: saved a checkpoint at step" in line)
+    step = int(saved.split("at step ")[1].split(";")[0])
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [step]
+    resumed = launch([*args[:-3], "--config.train.steps=" + str(step + 2), f"--workdir={tmp_path}"])
+    assert resumed.returncode == 0 and f"[p0] resuming from checkpoint at step {step}" in resumed.stdout
+
+
 FAKE_WORKER = textwrap.dedent("""
     import signal, sys, time
     index = int(next(a for a in sys.argv if "distributed.process_id=" in a).split("=")[1])

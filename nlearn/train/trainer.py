@@ -116,6 +116,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     config_lib.validate(config)
     data.vocab_size(config)  # a tokenizer to train is trained before the peers' watchdog starts
     processes = distributed.initialize(config)
+    if processes and config.train.time_budget_s:
+        raise UserError("train.time_budget_s needs a single process (each process would time its own steps "
+                        "and plan a different total)")
     os.makedirs(workdir, exist_ok=True)
     lead = jax.process_index() == 0
     if lead:
