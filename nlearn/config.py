@@ -95,6 +95,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.sequence = 1  # devices that split each sequence's tokens (sequence parallelism)
     c.mesh.rules = json.dumps(DEFAULT_RULES)  # JSON so a CLI override stays one string
 
+    # Several processes (nlearn.train.distributed); unset values come from the environment as JAX detects
+    # them (JAX_COORDINATOR_ADDRESS, SLURM, Cloud TPU, ...). One process: nothing to set.
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator = ""  # HOST:PORT of process 0
+    c.distributed.num_processes = 0  # 0: from the environment
+    c.distributed.process_id = -1  # -1: from the environment
+    c.distributed.timeout_s = 60  # a peer silent this long is declared lost (every process exits); 0: no check
+
     c.logging = ml_collections.ConfigDict()
     c.logging.wandb_mode = "auto"  # auto: online with WANDB_API_KEY, else offline
     c.logging.wandb_project = "nlearn"
@@ -157,6 +165,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Refuse invalid values with one line naming the key; call before anything runs."""
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
+    from nlearn.train import distributed
     from nlearn.train.benchmark import CPU_OPT_PRESETS
     from nlearn.train.optim import SCHEDULES
 
@@ -215,6 +224,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         dict(rules)
     except (ValueError, TypeError) as e:
         _fail("mesh.rules", config.mesh.rules, f"must be a JSON list of [logical, mesh_axis] pairs ({e})")
+    distributed.validate(config)
     models.validate_config(config)
 
 

@@ -12,13 +12,16 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-    from nlearn.train import train_and_evaluate
+    import jax
 
     from nlearn import data
+    from nlearn.train import distributed, train_and_evaluate
 
     config = _CONFIG.value
     result = train_and_evaluate(config, _WORKDIR.value)
-    if "loss" in result:
+    lead = jax.process_index() == 0
+    distributed.finish()
+    if "loss" in result and lead:
         line = (f"final: step {result['step']}, validation loss {result['loss']:.4f}, "
                 f"perplexity {result['perplexity']:.2f} over {result['tokens']} tokens")
         if data.get_corpus(config).vocab_size is None:  # a text corpus: the unigram model is a baseline

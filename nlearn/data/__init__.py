@@ -16,6 +16,7 @@ from nlearn.data.pipeline import (
     get_tokenizer,
     make_eval_batches,
     make_train_iterator,
+    merge_states,
     tokenizer_path,
     unigram_perplexity,
     vocab_size,
@@ -36,6 +37,6 @@ from nlearn.data.tokenizer import (
 __all__ = [
     "BOS_ID", "EOS_ID", "NEWLINE_ID", "PAD_ID", "UNK_ID", "SOURCES", "Corpus", "Tokenizer",
     "data_config", "describe", "get_corpus", "get_tokenizer", "load_tokenizer",
-    "make_eval_batches", "make_train_iterator", "register_source", "sentence_iterator",
+    "make_eval_batches", "make_train_iterator", "merge_states", "register_source", "sentence_iterator",
     "tokenizer_path", "train_tokenizer", "unigram_perplexity", "vocab_size",
 ]

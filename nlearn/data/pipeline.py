@@ -199,11 +199,13 @@ def make_train_iterator(config: ml_collections.ConfigDict, *, process_index: int
     float32 [B_local, T] for unpacked token sources whose records carry weights).
 
     Row i of every batch continues row i of the previous batch: each row ("lane") reads its
-    own shuffle of this process's documents (seed from train.seed, the data offset and i; a
-    new order every epoch), so a batch mixes B_local documents rather than slicing one long
-    document, and a recurrent model may carry its state from one batch to the next (with
-    num_workers <= 1; more workers interleave their batches). A corpus with training stages
-    (`Corpus.stages`) first hands out their batches."""
+    own shuffle of the training documents (seed from train.seed, the data offset and the row's
+    index in the global batch; a new order every epoch), so a batch mixes B_local documents rather
+    than slicing one long document, and a recurrent model may carry its state from one batch to
+    the next (with num_workers <= 1; more workers interleave their batches). Process p reads the
+    global rows [p * B_local, (p + 1) * B_local): the global batches, and the state saved per row,
+    do not depend on the process count. A corpus with training stages (`Corpus.stages`) first
+    hands out their batches."""
     if not 0 <= process_index < process_count:
         raise UserError(f"process_index {process_index} not in [0, {process_count})")
     corpus = sources.get_corpus(config)
@@ -221,14 +223,9 @@ def _stream(config: ml_collections.ConfigDict, corpus: Corpus, process_index: in
     d = config.data
     b_local, seq_len = _shape(config, process_count)
     encode = _encoder(corpus, get_tokenizer(config, corpus))
-    if len(corpus.train) < process_count:
-        raise UserError(f"{len(corpus.train)} training documents cannot be sharded over "
-                        f"{process_count} processes")
-    shard = grain.MapDataset.source(corpus.train)
-    if process_count > 1:
-        shard = shard[process_index::process_count]
     seed = int(config.train.seed) + int(d.shuffle_seed_offset)
-    lanes = [_lane(shard, lane_seed(seed, i), encode, corpus, seq_len) for i in range(b_local)]
+    rows = range(process_index * b_local, (process_index + 1) * b_local)  # of the global batch
+    lanes = [_lane(corpus.train, lane_seed(seed, i), encode, corpus, seq_len) for i in rows]
     it = grain.experimental.ZipIterDataset(lanes).map(stack_rows).map(to_lm_batch)
     if int(d.num_workers) > 0:
         if not flags.FLAGS.is_parsed():  # grain <= 0.2.18 reads absl flags in mp_prefetch (google/grain#1355)
@@ -236,12 +233,12 @@ def _stream(config: ml_collections.ConfigDict, corpus: Corpus, process_index: in
                             "flags parsed: run under absl.app.run (the nlearn-* commands do) or call "
                             "absl.flags.FLAGS(sys.argv[:1]) first")
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(d.num_workers)))
-        iterator = JsonStateIterator(iter(it))
+        iterator = JsonStateIterator(iter(it), process=(process_index, process_count))
         atexit.register(_close_at_exit, weakref.ref(iterator))
         return iterator
     # In-process: no background thread (grain 0.2's ThreadPrefetch leaks threads and prints
     # errors when an unclosed iterator is collected); tokenizing costs ~2-3 us per token.
-    return JsonStateIterator(iter(it))
+    return JsonStateIterator(iter(it), process=(process_index, process_count), rows=rows)
 
 
 def _tuple_slices(state):
@@ -257,12 +254,15 @@ def _tuple_slices(state):
 class JsonStateIterator:
     """A grain iterator whose state is JSON bytes (what grain's orbax handler stores), restored exactly.
 
+    With `rows` (the global batch rows its zipped lanes read) the state is keyed by row,
+    `{"rows": {"i": lane state}}`, so the states of all processes join into one (`merge_states`)
+    that any process count resumes from; otherwise (worker processes) it is this process's own.
     grain 0.2.18's packing tests `remainder_slices` against the tuple (-1, -1); the lists JSON gives
     back read as a remainder, and a resumed packed stream would skip a window whenever the state was
     saved with none pending. `set_state` also takes the state as a dict."""
 
-    def __init__(self, iterator):
-        self._it = iterator
+    def __init__(self, iterator, *, process: tuple[int, int] = (0, 1), rows: Optional[range] = None):
+        self._it, self.process, self.rows = iterator, process, rows
 
     def __iter__(self):
         return self
@@ -271,16 +271,53 @@ class JsonStateIterator:
         return next(self._it)
 
     def get_state(self) -> bytes:
-        return json.dumps(self._it.get_state()).encode()
+        state = self._it.get_state()
+        if self.rows is not None:
+            state = {"rows": {str(r): s for r, s in zip(self.rows, state["parents"])}}
+        else:
+            state = {"processes": {str(self.process[0]): state}, "process_count": self.process[1]}
+        return json.dumps(state).encode()
 
     def set_state(self, state) -> None:
-        self._it.set_state(_tuple_slices(json.loads(state) if isinstance(state, (bytes, str)) else state))
+        state = json.loads(state) if isinstance(state, (bytes, str)) else state
+        if "rows" in state:
+            missing = [r for r in self.rows or () if str(r) not in state["rows"]]
+            if self.rows is None or missing:
+                which = missing if self.rows is not None else "read by worker processes"
+                raise UserError(f"the data checkpoint has no position for batch rows {which}: resume with "
+                                "the train.batch_size and data.num_workers it was saved with")
+            state = {"parents": [state["rows"][str(r)] for r in self.rows]}
+        elif "processes" in state:
+            index, count = self.process
+            if state["process_count"] != count:
+                raise UserError(f"the data checkpoint was written by {state['process_count']} processes with "
+                                f"data.num_workers > 0; resume with {state['process_count']} processes or "
+                                "data.num_workers=0 (whose position does not depend on the process count)")
+            state = state["processes"][str(index)]
+        self._it.set_state(_tuple_slices(state))
 
     def start_prefetch(self) -> None:
         getattr(self._it, "start_prefetch", lambda: None)()
 
     def close(self) -> None:
         getattr(self._it, "close", lambda: None)()
+
+
+def merge_states(states: list[bytes]) -> bytes:
+    """The iterator states of all processes (process order) as one global state: JSON objects
+    joined key by key (each process contributes its own rows or process entry; shared entries,
+    e.g. a training stage's batch count, must agree)."""
+    def join(a, b, where):
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {**a, **b, **{k: join(a[k], b[k], f"{where}.{k}") for k in a.keys() & b.keys()}}
+        if a != b:
+            raise UserError(f"the processes' data iterators disagree at {where or 'the top'} ({a!r} vs {b!r})")
+        return a
+
+    merged = json.loads(states[0])
+    for state in states[1:]:
+        merged = join(merged, json.loads(state), "")
+    return json.dumps(merged).encode()
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -42,8 +42,7 @@ class StagedIterator:
 
     def get_state(self) -> bytes:
         inner = self._iterator().get_state()
-        if isinstance(inner, bytes):
-            inner = inner.decode()
+        inner = json.loads(inner) if isinstance(inner, (bytes, str)) else inner  # an object: states merge
         return json.dumps({"count": self.count, "stage": self._index, "inner": inner}).encode()
 
     def set_state(self, state: bytes) -> None:
@@ -55,7 +54,7 @@ class StagedIterator:
                             f"step {self.count} belongs to stage {self._index}; was the data "
                             f"curriculum (e.g. data.mqar.curriculum) changed between runs?")
         inner = saved["inner"]
-        it.set_state(inner.encode() if isinstance(inner, str) else inner)
+        it.set_state(inner.encode() if isinstance(inner, str) else json.dumps(inner).encode())
 
     def start_prefetch(self) -> None:
         start = getattr(self._iterator(), "start_prefetch", None)

@@ -1,19 +1,25 @@
 """orbax checkpoints that carry everything needed to resume exactly.
 
 One `CheckpointManager` item per concern: `state` (params, optimizer state, step, RNG),
-`data` (the grain iterator position) and `meta` (resolved config, logger run id). Restoring
-tries the newest step first and falls back, with a warning, to older ones if it is unreadable.
+`dataset` (the data iterator position of the whole global batch, joined from every process, so
+any process count resumes it) and `meta` (resolved config, logger run id). Every process calls
+save and restore (orbax writes the arrays cooperatively). Restoring tries the newest step first
+and falls back, with a warning, to older ones if it is unreadable. Checkpoints written before
+`dataset` keep their per-process `data` item (grain's handler) and resume as before.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import grain
 import orbax.checkpoint as ocp
 from absl import logging
 
+from nlearn import data as data_lib
 from nlearn.errors import UserError
+from nlearn.train import distributed
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -31,7 +37,7 @@ class Checkpointer:
             max_to_keep=keep, create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(directory, options=options,
-                                             item_names=("state", "data", "meta"))
+                                             item_names=("state", "data", "dataset", "meta"))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -41,7 +47,8 @@ class Checkpointer:
             return
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
-            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+            states = distributed.exchange(f"data-state-{step}", data_iter.get_state())
+            args["dataset"] = ocp.args.JsonSave(json.loads(data_lib.merge_states(states)))
         self.manager.save(step, args=ocp.args.Composite(**args), force=force)
 
     def restore(self, abstract_state, data_iter=None, step: int | None = None):
@@ -62,8 +69,10 @@ class Checkpointer:
         errors = []
         for s in candidates:
             args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+            legacy = not os.path.isdir(os.path.join(self.manager.directory, str(s), "dataset"))
             if data_iter is not None:
-                args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+                args["data" if legacy else "dataset"] = (grain.checkpoint.CheckpointRestore(data_iter) if legacy
+                                                         else ocp.args.JsonRestore())
             try:
                 restored = self.manager.restore(s, args=ocp.args.Composite(**args))
             except Exception as e:  # corrupt or partial files: try the previous checkpoint
@@ -71,6 +80,8 @@ class Checkpointer:
                 logging.warning("checkpoint at step %d is unreadable (%s); trying an older one", s, msg)
                 errors.append(f"step {s}: {msg}")
                 continue
+            if data_iter is not None and not legacy:  # a UserError (a position it cannot take) is final
+                data_iter.set_state(json.dumps(restored["dataset"]).encode())
             if errors:
                 logging.warning("resumed from step %d after skipping unreadable checkpoints", s)
             return s, restored["state"], dict(restored["meta"])

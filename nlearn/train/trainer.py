@@ -20,20 +20,12 @@ from nlearn import config as config_lib
 from nlearn import data
 from nlearn.errors import UserError
 from nlearn.eval.perplexity import make_evaluator
+from nlearn.train import distributed
 from nlearn.train import flops as flops_lib
 from nlearn.train.checkpoint import Checkpointer
 from nlearn.train.hooks import make_hook
 from nlearn.train.metrics import MetricsWriter, Progress, Wandb, plot_losses
 from nlearn.train.state import make_setup
-
-
-def maybe_initialize_distributed() -> None:
-    """`jax.distributed.initialize()` when launched as one of several processes."""
-    markers = ("JAX_COORDINATOR_ADDRESS", "NLEARN_DISTRIBUTED", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES")
-    if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
-        return
-    if any(os.environ.get(m) for m in markers) and os.environ.get("SLURM_NTASKS", "2") != "1":
-        jax.distributed.initialize()
 
 
 def sharding_summary(params) -> str:
@@ -46,14 +38,25 @@ def sharding_summary(params) -> str:
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits."""
+    """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits.
 
-    def __init__(self):
+    With several processes all must stop after the same step: SIGTERM is left to JAX's preemption
+    notifier, SIGINT is turned into a SIGTERM to this process, and `at(step)` asks the preemption sync
+    point (every process gets True at the same step once any of them was signalled)."""
+
+    def __init__(self, processes: int = 1):
         self.signal = None
         self._old = {}
+        self.processes = processes
+
+    def at(self, step: int) -> str | None:
+        if self.processes == 1:
+            return self.signal
+        from jax.experimental import multihost_utils
+        return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.processes == 1 else (signal.SIGINT,):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
@@ -61,6 +64,8 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
+        if self.processes > 1:
+            os.kill(os.getpid(), signal.SIGTERM)
         self.signal = signal.Signals(signum).name
 
     def __exit__(self, *exc):
@@ -68,9 +73,10 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def open_data(config):
-    """This process's training iterator and evaluation batches (the tokenizer must fit the model)."""
-    index, count = jax.process_index(), jax.process_count()
+def open_data(config, setup):
+    """This process's training iterator and evaluation batches: the rows of each global batch its devices
+    hold (the tokenizer must fit the model)."""
+    index, count = distributed.batch_rows(setup.batch_sharding, config.train.batch_size, config.train.seq_len)
     train_iter = data.make_train_iterator(config, process_index=index, process_count=count)
     eval_batches = data.make_eval_batches(config, process_index=index, process_count=count)
     if data.vocab_size(config) != config.model.vocab_size:
@@ -108,7 +114,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     """Train `config` in `workdir` (resuming from its newest readable checkpoint); the final eval metrics."""
     config = config_lib.migrate(config)
     config_lib.validate(config)
-    maybe_initialize_distributed()
+    data.vocab_size(config)  # a tokenizer to train is trained before the peers' watchdog starts
+    processes = distributed.initialize(config)
+    if processes and config.train.time_budget_s:
+        raise UserError("train.time_budget_s needs a single process (each process would time its own steps "
+                        "and plan a different total)")
     os.makedirs(workdir, exist_ok=True)
     lead = jax.process_index() == 0
     if lead:
@@ -116,7 +126,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     t = config.train
     setup = make_setup(config)
-    train_iter, eval_batches = open_data(config)
+    train_iter, eval_batches = open_data(config, setup)
     hook = make_hook(config, workdir, lead)
     evaluate = make_evaluator(setup, hook.compiler_options)
     ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
@@ -151,7 +161,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         return result
 
     start_time, stopped, compiling = time.perf_counter(), None, True
-    with _StopFlag() as stop:
+    with _StopFlag(jax.process_count() if processes else 1) as stop:
         while step < total:
             began = time.perf_counter()
             batch = next(train_iter)
@@ -163,7 +173,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 compiling = False
             if (planned := hook.after_step(step, batch, metrics, began)) is not None:
                 total = progress.total = planned
-            stopped = stop.signal  # read once: a signal arriving later waits for the next step
+            stopped = stop.at(step)  # read once: a signal arriving later waits for the next step
             saving = step % config.checkpoint.every_steps == 0 or step == total or stopped
             if step % t.log_every == 0 or saving:
                 record = finite_metrics(metrics, step, ckpt)

@@ -94,7 +94,7 @@ def test_packed_stream_resumes_from_its_state_as_json(make_config, token_source,
     it = make_train_iterator(config)
     take(it, 1)
     state = it.get_state()
-    assert [-1, -1] in [s["remainder_slices"]["tokens"] for s in json.loads(state)["parents"]]  # none pending
+    assert [-1, -1] in [s["remainder_slices"]["tokens"] for s in json.loads(state)["rows"].values()]  # none pending
     expected = take(it, 3)
     for saved in (state, json.loads(state)):
         resumed = make_train_iterator(config)
@@ -143,15 +143,26 @@ def test_any_source_can_train_in_stages(make_config, token_source):
         SOURCES.pop("test_staged")
 
 
-def test_process_shards_are_disjoint(make_config, token_source, builtin):
+def test_processes_read_the_rows_of_the_global_batch(make_config, token_source, builtin):
+    """Process p reads rows [p * B/n, (p + 1) * B/n) of the 1-process batches; their states join into one
+    (`merge_states`) that resumes any process count at the same global position."""
+    from nlearn.data import merge_states
+
     config = make_config(source=token_source, batch_size=4, seq_len=16)
-    seen = []
-    for p in range(2):
-        batches = take(make_train_iterator(config, process_index=p, process_count=2), 12)
-        assert batches[0]["inputs"].shape == (2, 16)
-        seen.append({d for s in lane_streams(batches) for d in doc_order(s)})
-    assert not seen[0] & seen[1]
-    assert seen[0] | seen[1] == set(range(10, 10 + len(TOKEN_DOC_LENGTHS)))
+    whole = take(make_train_iterator(config), 5)
+    halves = [make_train_iterator(config, process_index=p, process_count=2) for p in range(2)]
+    parts = [take(it, 3) for it in halves]
+    assert parts[0][0]["inputs"].shape == (2, 16)
+    assert_same(whole[:3], [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*parts)])
+    state = merge_states([it.get_state() for it in halves])
+    one = make_train_iterator(config)
+    one.set_state(state)  # 2 processes -> 1
+    assert_same(whole[3:], take(one, 2))
+    quarter = make_train_iterator(config, process_index=3, process_count=4)  # -> 4 processes
+    quarter.set_state(state)
+    np.testing.assert_array_equal(take(quarter, 1)[0]["inputs"], whole[3]["inputs"][3:])
+    with pytest.raises(UserError, match="disagree"):
+        merge_states([b'{"count": 1}', b'{"count": 2}'])
     b = [next(make_train_iterator(builtin, process_index=p, process_count=2)) for p in range(2)]
     assert b[0]["inputs"].shape == (2, 128)
     assert not np.array_equal(b[0]["inputs"], b[1]["inputs"])
