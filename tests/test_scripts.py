@@ -44,7 +44,22 @@ def test_ablate_table_has_a_row_per_variant_and_refusals():
     assert lines[2] == "| default | 6.500 | 6.600 | 1,234 | 1.5 min |"
     assert lines[3].startswith("| optimizer=adamq | refused: `error: invalid config value")
     assert lines[4].startswith("| depth=3 | failed: `error: training loss became nan")
-    assert "optimizer=adamq" in ablate.VARIANTS
+    assert "optimizer=adamq" in ablate.VARIANTS["titans_lmm"]
+
+
+def test_ablate_variants_reach_any_model_section_and_keep_other_families(tmp_path, monkeypatch):
+    ablate = load_script("ablate")
+    assert ablate.overrides_of("optimizer=sgd") == ["--config.model.memory.optimizer=sgd"]
+    assert ablate.overrides_of("cms.periods=(16,64) hope.mixer=attention") == [
+        "--config.model.cms.periods=(16,64)", "--config.model.hope.mixer=attention"]
+    assert ablate.split_variants(",cms.periods=(16,64),memory.dgd=False") == ["", "cms.periods=(16,64)",
+                                                                              "memory.dgd=False"]
+    monkeypatch.setattr(ablate, "machine", lambda: "a machine")
+    for family, rows in (("titans_lmm", "| a |"), ("hope", "| b |"), ("titans_lmm", "| c |")):
+        path = ablate.write_section("x.md", f"Ablations ({family})", "cmd", rows, directory=str(tmp_path))
+    text = open(path).read()
+    assert text.count("# Ablations (titans_lmm)") == 1 and "| c |" in text and "| a |" not in text
+    assert text.index("# Ablations (hope)") < text.index("# Ablations (titans_lmm)") and "| b |" in text
 
 
 def test_ablate_records_a_refused_variant_as_one_line(tmp_path):
@@ -106,4 +121,5 @@ def test_results_files_say_which_command_made_them_where_and_when(tmp_path):
     for script, name in [("mqar", "mqar.md"), ("compare_lm", "lm_comparison.md"), ("ablate", "ablations.md"),
                          ("bench_ops", "bench_ops.md")]:  # each script rewrites its own file, never README.md
         text = open(os.path.join(ROOT, "scripts", f"{script}.py")).read()
-        assert f'write_results("{name}"' in text and "README.md" not in text
+        writer = "write_section" if script == "ablate" else "write_results"  # ablate: a section per family
+        assert f'{writer}("{name}"' in text and "README.md" not in text
