@@ -118,8 +118,71 @@ def test_results_files_say_which_command_made_them_where_and_when(tmp_path):
     assert lines[0] == "# Title" and lines[4] == "A note." and lines[6:] == ["| a |", "|---|", "| 1 |"]
     assert re.fullmatch(r"Made by `python scripts/x\.py --a=1` on .+, \d+ cores, f32 matmul \d+ GFLOP/s, "
                         r"20\d\d-\d\d-\d\d\.", lines[2]), lines[2]
-    for script, name in [("mqar", "mqar.md"), ("compare_lm", "lm_comparison.md"), ("ablate", "ablations.md"),
+    for script, name in [("mqar", "mqar.md"), ("ablate", "ablations.md"),
                          ("bench_ops", "bench_ops.md")]:  # each script rewrites its own file, never README.md
         text = open(os.path.join(ROOT, "scripts", f"{script}.py")).read()
         writer = "write_section" if script == "ablate" else "write_results"  # ablate: a section per family
         assert f'{writer}("{name}"' in text and "README.md" not in text
+    text = open(os.path.join(ROOT, "scripts", "compare_lm.py")).read()  # two files: five rows, the ladder
+    assert '"lm_comparison.md"' in text and '"ladder.md"' in text and "write_results(name" in text
+    assert "README.md" not in text
+
+
+def test_compare_lm_rows_take_overrides_and_split_outside_brackets():
+    compare = load_script("compare_lm")
+    rows = compare.split_rows("transformer, hope:model.cms.periods=(16,64):model.cms.lr='(1e-3,1e-3)',hope")
+    assert rows == ["transformer", "hope:model.cms.periods=(16,64):model.cms.lr='(1e-3,1e-3)'", "hope"]
+    assert compare.parse_row(rows[1]) == ("hope", ["--config.model.cms.periods=(16,64)",
+                                                   "--config.model.cms.lr='(1e-3,1e-3)'"])
+    with pytest.raises(ValueError, match="'model.hope.mixer' is not key=value"):
+        compare.parse_row("hope:model.hope.mixer")
+    assert "transformer" in compare.all_families() and "hope" in compare.all_families()
+
+
+def test_compare_lm_table_has_seed_mean_spread_and_flags_unequal_parameters():
+    compare = load_script("compare_lm")
+    same = {"data": {"source": "builtin"}, "seed": 0, "steps": 5, "batch_size": 2, "seq_len": 8}
+
+    def run(row, seed, ppl, **extra):
+        return {"row": row, "seed": seed, "params_m": 1.0, "tokens": 80, "perplexity": ppl, "eval_tokens": 64,
+                "unigram": 900.0, "tokens_per_sec": 1000.0, "minutes": 0.5,
+                "same_batches": dict(same, seed=seed), **extra}
+
+    runs = [run("transformer", 0, 500.0), run("transformer", 1, 520.0), run("a:model.x=1", 0, 400.0),
+            run("a:model.x=1", 1, 510.0), {"row": "b", "seed": 0, "error": "error: training loss became nan"}]
+    entries = compare.summarise(runs, ["transformer", "a:model.x=1", "b"])
+    counts = {"transformer": 1_000_000, "a:model.x=1": 1_060_000, "b": 990_000}
+    lines = compare.table(entries, counts).splitlines()
+    assert lines[2] == "| transformer | 1.00M | +0.0% | 0.00M | 510.0 ± 10.0 | 500.0, 520.0 | 1,000 | 0.5 min |"
+    assert "| **+6.0%** (over 5%) |" in lines[3] and "| 455.0 ± 55.0 | 400.0, 510.0 |" in lines[3]
+    assert lines[4].startswith("| b | seed 0 failed: `error: training loss became nan` |")
+    assert lines[5].startswith("| unigram baseline |")
+    assert compare.param_warnings(counts) == [
+        "warning: a:model.x=1 has 1.06M parameters, +6.0% from transformer's 1.00M "
+        "(more than 5%: not an equal-parameter comparison)"]
+    assert compare.overlaps(entries) == ["a:model.x=1 ~ transformer"]  # 400-510 overlaps 500-520
+    assert compare.data_mismatches(runs) == []
+    runs[2]["same_batches"] = dict(same, seq_len=16)
+    assert compare.data_mismatches(runs) == [
+        "warning: seed 0: a:model.x=1 did not train or score on the same tokens as transformer"]
+
+
+def test_compare_lm_counts_parameters_of_rows_with_overrides_and_refuses_a_bad_row(capsys):
+    compare = load_script("compare_lm")
+    counts = compare.param_counts(["titans_lmm:model.mlp_dim=384"], [])
+    assert list(counts) == ["transformer", "titans_lmm:model.mlp_dim=384"]
+    assert counts["titans_lmm:model.mlp_dim=384"] < load_family_count("titans_lmm")
+    for row, needle in [("nofamily", "no config file configs/nofamily.py"),
+                        ("transformer:model.nope=1", "unknown config key 'model.nope'"),
+                        ("transformer:model.dtype=float8", "model.dtype")]:
+        with pytest.raises(SystemExit) as exit_:
+            compare.param_counts([row], [])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code != 0 and err.startswith(f"error: row {row!r}: ") and needle in err, err
+        assert "\n" not in err
+
+
+def load_family_count(family: str) -> int:
+    from nlearn.models import count_params
+
+    return count_params(load_family_config(family))
