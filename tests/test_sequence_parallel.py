@@ -28,15 +28,15 @@ def run_cases(marker: str):
 
 
 def test_split_sequences_match_single_device():
-    """Gated delta rule and linear attention (values, states, grads), the conv halo, a deltanet model
-    (delta rule, convs), the refusal of a nonlinear memory."""
+    """Linear attention (values, states, grads), the conv halo, a gated_deltanet model (the gated delta
+    rule's fold/scan/finish, halos, a data axis beside the split), the refusal of a nonlinear memory."""
     run_cases("not slow")
 
 
 @pytest.mark.slow
 def test_split_sequences_match_single_device_for_every_family():
-    """delta_rule and normalized linear attention ops; gated_deltanet, linear_attention and transformer
-    models on 4 devices."""
+    """The delta rule, gated delta rule and normalized linear attention ops; deltanet, linear_attention
+    and transformer models on 4 devices."""
     run_cases("slow")
 
 
