@@ -78,7 +78,7 @@ def write_outputs(workdir: str, task: str, record: dict, samples: list) -> None:
 
 def main(argv):
     from nlearn import config as config_lib
-    from nlearn import data
+    from nlearn.data.haystack import text_tokenizer
     from nlearn.errors import UserError
     from nlearn.eval.restore import load_run_config, restore_params
     from nlearn.eval.tasks import TaskContext, get_task
@@ -93,7 +93,7 @@ def main(argv):
     Checkpointer(_WORKDIR.value, read_only=True).close()  # clear error before any data work
     setup, step, params = restore_params(config, _WORKDIR.value, _STEP.value)
     ctx = TaskContext(workdir=_WORKDIR.value, config=config, setup=setup, graphdef=setup.graphdef,
-                      params=params, step=int(step), tokenizer=data.get_tokenizer(config), lengths=lengths,
+                      params=params, step=int(step), tokenizer=text_tokenizer(config), lengths=lengths,
                       samples=_SAMPLES.value, seed=_SEED.value, variant=_VARIANT.value,
                       chunk_size=_CHUNK.value, options=options)
     metrics, samples = task(ctx)

@@ -80,4 +80,24 @@ def data_config() -> ml_collections.ConfigDict:
         # pairs just before position 64 and its queries after; see nlearn/data/curriculum.py.
         "curriculum": "",
     })
+    # source='niah': RULER needle-in-a-haystack prompts (nlearn.data.niah), each window one prompt of a random
+    # length in [min_len, train.seq_len] with its answer; the loss falls on the answer only. The tokenizer
+    # and the essay haystack come from the text source `haystack` (its training documents; evaluation
+    # uses its held-out ones).
+    c.niah = ml_collections.ConfigDict({
+        "variants": "single_1",   # comma list of single_1..3, multikey_1..3, multivalue, multiquery, or all
+        "min_len": 256,
+        "haystack": "builtin",
+        "train_examples": 1_000_000,
+        "eval_examples": 200,
+    })
+    # source='babilong': bAbI qa1-qa3 facts (nlearn.data.babilong) scattered through `haystack` text, windows
+    # of a random length in [min_len, train.seq_len]; the loss falls on the answer only.
+    c.babilong = ml_collections.ConfigDict({
+        "tasks": "qa1,qa2,qa3",
+        "min_len": 128,
+        "haystack": "builtin",
+        "train_examples": 1_000_000,
+        "eval_examples": 200,
+    })
     return c

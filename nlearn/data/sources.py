@@ -41,11 +41,27 @@ def tfds_source(config: ml_collections.ConfigDict) -> Corpus:
     return tfds_builder.tfds_corpus(d.name, d.dir, d.text_key, d.train_split, d.eval_split)
 
 
+def niah_source(config: ml_collections.ConfigDict) -> Corpus:
+    """RULER needle-in-a-haystack prompts with their answers (nlearn.data.niah)."""
+    from nlearn.data import niah  # imports this module: loaded on first use
+
+    return niah.niah_source(config)
+
+
+def babilong_source(config: ml_collections.ConfigDict) -> Corpus:
+    """bAbI qa1-qa3 facts scattered through corpus text, with their answers (nlearn.data.babilong)."""
+    from nlearn.data import babilong  # imports this module: loaded on first use
+
+    return babilong.babilong_source(config)
+
+
 SOURCES: dict[str, SourceBuilder] = {
     "builtin": builtin_source,
     "text": text_source,
     "tfds": tfds_source,
     "mqar": mqar.mqar_source,
+    "niah": niah_source,
+    "babilong": babilong_source,
 }
 
 

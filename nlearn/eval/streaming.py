@@ -2,8 +2,8 @@
 
 Recurrent families carry a fixed-size state, so memory stays constant with the input's length; attention
 keeps its cache as it is (full attention: one slot per token, allocated for the whole stream; a sliding
-window: a bounded ring). One jitted chunk step serves every chunk of the same shape (a stream compiles at
-most three: the full chunk, its tail, and one token), and the cache is donated to it.
+window: a bounded ring). One jitted chunk step serves every chunk of the same shape (full chunks, tails cut
+into powers of two, single tokens: streams of any length share them), and the cache is donated to it.
 """
 
 from __future__ import annotations
@@ -58,8 +58,16 @@ class Streamer:
         return jax.tree.map(lambda x: jnp.array(x, copy=True), cache)
 
     def _chunks(self, length: int) -> Iterable[slice]:
-        for start in range(0, length, self.chunk_size):
-            yield slice(start, min(start + self.chunk_size, length))
+        """Full chunks, then the tail in decreasing powers of two (137 = 128 + 8 + 1): prompts of any length
+        reuse at most log2(chunk_size) + 2 compiled shapes."""
+        full = length - length % self.chunk_size
+        for start in range(0, full, self.chunk_size):
+            yield slice(start, start + self.chunk_size)
+        start, rest = full, length - full
+        while rest:
+            piece = 1 << (rest.bit_length() - 1)
+            yield slice(start, start + piece)
+            start, rest = start + piece, rest - piece
 
     def prefill(self, tokens_BT, cache):
         """Feed `tokens [B, T]` after what `cache` holds: (logits after the last token [B, V], cache)."""

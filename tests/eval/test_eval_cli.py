@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from eval_helpers import make_run, small_config
 from run_helpers import run_cli
 
@@ -14,6 +16,7 @@ def _text_run(tmp_path, cache_dir, text_corpus):
     return make_run(config, str(tmp_path / "run"))
 
 
+@pytest.mark.slow  # tests/test_train.py scores the default task through the CLI too
 def test_default_task_is_perplexity_and_writes_its_record(tmp_path, cache_dir, text_corpus):
     workdir = _text_run(tmp_path, cache_dir, text_corpus)
     proc = run_cli("eval", f"--workdir={workdir}")
@@ -32,3 +35,20 @@ def test_unknown_task_fails_in_one_line_naming_the_choices(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "needles" in errors[0] and "niah" in errors[0], proc.stderr
+
+
+def test_niah_through_the_cli(tmp_path, haystack_config):
+    """A tiny untrained checkpoint of a niah-trained config: the sweep's JSON line and its records."""
+    workdir = make_run(haystack_config(source="niah", **{"niah.min_len": 384}), str(tmp_path / "niah"))
+    proc = run_cli("eval", f"--workdir={workdir}", "--task=niah", "--lengths=512,1024", "--samples=2",
+                   "--option=depths=2", "--chunk_size=200")
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["task"] == "niah" and line["step"] == 0 and 0.0 <= line["accuracy"] <= 1.0
+    assert list(line["by_length"]) == ["512", "1024"] and list(line["by_depth"]) == ["0", "100"]
+    assert list(line["by_variant"]) == ["single_1"] and set(line["by_length_depth"]["1024"]) == {"0", "100"}
+    records = [json.loads(r) for r in open(f"{workdir}/eval/niah.samples.jsonl")]
+    assert len(records) == 4 and all(len(r["targets"][0]) == 7 and "output" in r for r in records)
+    assert all(r["prompt_tokens"] <= r["length"] for r in records)
+    record = json.load(open(f"{workdir}/eval/niah.json"))
+    assert record["parameters"]["lengths"] == [512, 1024] and record["parameters"]["chunk_size"] == 200

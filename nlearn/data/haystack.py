@@ -1,0 +1,209 @@
+"""What the long-context tasks share: the text they hide facts in, the tokenizer, fitting a prompt to a
+token budget, and training corpora of generated question-answer windows (`data.source='niah'` /
+`'babilong'`).
+
+The haystack text comes from a base text source (`data.<task>.haystack`, default the built-in corpus):
+its training documents for training windows, its held-out documents for evaluation. The tokenizer is
+the base source's, so a run trained on a synthetic task still reads and writes text.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import operator
+import re
+from typing import Callable, Optional, Sequence
+
+import ml_collections
+import numpy as np
+
+from nlearn.data import cache, sources
+from nlearn.data.corpus import Corpus
+from nlearn.data.tokenizer import PAD_ID, Tokenizer
+from nlearn.errors import UserError
+
+TEXT_TASK_SOURCES = ("niah", "babilong")  # data sources whose text base gives the tokenizer
+
+
+class PromptTooLong(UserError):
+    """A prompt's fixed parts (template, needles, facts) alone exceed the tokens asked for."""
+
+
+def parse_names(spec: str, choices, key: str) -> list[str]:
+    """A comma list of names from `choices` ("all": every one); UserError naming `key` and the choices."""
+    names = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if names == ["all"]:
+        return list(choices)
+    if not names or any(n not in choices for n in names):
+        raise UserError(f"{key}={spec!r}: choose from all, {', '.join(choices)}")
+    return names
+
+
+def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` with data.source set to the text source a synthetic task draws its haystack from."""
+    if config.data.source not in TEXT_TASK_SOURCES:
+        return config
+    section = config.data.get(config.data.source)
+    base = str(section.haystack) if section is not None and "haystack" in section else "builtin"
+    if base in TEXT_TASK_SOURCES:
+        raise UserError(f"data.{config.data.source}.haystack must name a text source, got {base!r}")
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.source = base
+    return config
+
+
+def text_tokenizer(config: ml_collections.ConfigDict) -> Optional[Tokenizer]:
+    """The tokenizer that turns task text into this run's token ids (None for token-only runs: MQAR)."""
+    from nlearn.data.pipeline import get_tokenizer
+
+    return get_tokenizer(base_config(config))
+
+
+@functools.lru_cache(maxsize=8)
+def _words(texts: tuple) -> tuple:
+    return tuple(re.sub(r"\s+", " ", " ".join(texts)).split(" "))
+
+
+def haystack_words(config: ml_collections.ConfigDict, split: str, max_docs: int = 400) -> tuple[str, ...]:
+    """The base source's `split` ("train" or "validation") documents as one whitespace-normalised list of
+    words (RULER's essay haystack: words, later cut into sentences)."""
+    corpus = sources.get_corpus(base_config(config))
+    records = corpus.train if split == "train" else corpus.validation
+    texts = []
+    for i in range(min(len(records), max_docs)):
+        text = records[i][corpus.text_key]
+        texts.append(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+    words = _words(tuple(texts))
+    if len(words) < 100:
+        raise UserError(f"the haystack source {corpus.description!r} has too little {split} text")
+    return words
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences at '.', '!' or '?' followed by whitespace (a stand-in for nltk's sent_tokenize)."""
+    return [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
+
+
+def fit_to_budget(build: Callable[[int], str], tokenizer: Tokenizer, budget: int,
+                  hint: int = 64) -> tuple[int, np.ndarray]:
+    """About the largest haystack size n (and its token ids) with `len(encode(build(n))) <= budget`.
+
+    Token counts grow about linearly in n: secant steps from a probe's slope, keeping the largest n that
+    fits and the smallest that does not, until the fit is within one unit's tokens."""
+    def count(n):
+        ids = tokenizer.encode(build(n))
+        return len(ids), ids
+
+    base, lo_ids = count(0)
+    if base > budget:
+        raise PromptTooLong(f"a prompt without any haystack already has {base} tokens, more than the {budget} "
+                            "asked (ask for longer prompts)")
+    probe = max(1, hint)
+    slope = max((count(probe)[0] - base) / probe, 1e-3)
+    lo, hi, n = 0, None, max(0, int((budget - base) / slope))
+    for _ in range(16):
+        tokens, ids = count(n)
+        if tokens <= budget:
+            lo, lo_ids = n, ids
+            if tokens > budget - slope:
+                break
+        else:
+            hi = n
+        guess = n + int(np.floor((budget - tokens) / slope))
+        guess = max(lo + 1, guess if hi is None else min(guess, hi - 1))
+        if hi is not None and guess >= hi or guess == n:
+            break
+        n = guess
+    return lo, lo_ids
+
+
+class QAExamples(collections.abc.Sequence):
+    """Random-access (grain-compatible) training windows {"tokens", "weights"} of `length` + 1 tokens:
+    a prompt, its answer and EOS, then padding; weights 1 on the answer and EOS only.
+
+    Example i is `make(rng_i) -> (prompt ids, answer ids)` with rng_i from SeedSequence([tag, stream, seed,
+    i]); `make` must fit `length` + 1 tokens."""
+
+    def __init__(self, num_examples: int, stream: int, seed: int, tag: int, length: int, make, eos_id: int):
+        self.num_examples, self.stream, self.seed, self.tag = int(num_examples), int(stream), int(seed), int(tag)
+        self.length, self.make, self.eos_id = int(length), make, int(eos_id)
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __getitem__(self, index) -> dict[str, np.ndarray]:
+        i = operator.index(index)
+        if i < 0:
+            i += self.num_examples
+        if not 0 <= i < self.num_examples:
+            raise IndexError(f"example {index} out of range [0, {self.num_examples})")
+        rng = np.random.default_rng([self.tag, self.stream, self.seed, i])
+        prompt, answer = self.make(rng)
+        return qa_window(prompt, answer, self.eos_id, self.length + 1)
+
+
+def qa_window(prompt: Sequence[int], answer: Sequence[int], eos_id: int, size: int) -> dict[str, np.ndarray]:
+    """{"tokens", "weights"} of `size`: prompt, answer, EOS, PAD...; weights on the answer and EOS."""
+    used = len(prompt) + len(answer) + 1
+    if used > size:
+        raise ValueError(f"a {used}-token example does not fit a {size}-token window")
+    tokens = np.full(size, PAD_ID, np.int32)
+    tokens[:used] = np.concatenate([prompt, answer, [eos_id]]).astype(np.int32)
+    weights = np.zeros(size, np.float32)
+    weights[len(prompt):used] = 1.0
+    return {"tokens": tokens, "weights": weights}
+
+
+def random_length(rng: np.random.Generator, min_len: int, seq_len: int, make):
+    """`make(length)` at a length drawn from [min_len, seq_len + 1]; at seq_len + 1 (the whole window) when
+    the drawn one cannot hold the prompt's fixed parts."""
+    try:
+        return make(int(rng.integers(min_len, seq_len + 2)))
+    except PromptTooLong:
+        return make(seq_len + 1)
+
+
+def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Sequence, make_example,
+              needs_words: bool, description: str) -> Corpus:
+    """The unpacked token corpus of `data.source=name`: windows of train.seq_len + 1 tokens, each
+    `make_example(rng, kind, tokenizer, length, words)` (a dict with "prompt_ids" and "answer_ids") of a kind
+    drawn from `kinds` and a length drawn from [data.<name>.min_len, seq_len + 1], then EOS and padding."""
+    section = config.data.get(name)
+    if section is None:
+        raise UserError(f"data.source={name!r} needs a config.data.{name} section (see data_config())")
+    seq_len, min_len = int(config.train.seq_len), int(section.min_len)
+    if not 0 < min_len <= seq_len:
+        raise UserError(f"data.{name}.min_len={min_len} must be in [1, train.seq_len={seq_len}]")
+    counts = {}
+    for split in ("train_examples", "eval_examples"):
+        counts[split] = int(section[split])
+        if counts[split] < 1:
+            raise UserError(f"data.{name}.{split} must be at least 1, got {counts[split]}")
+    tokenizer = text_tokenizer(config)
+
+    def make_for_split(split):
+        words = haystack_words(config, split) if needs_words else ()
+
+        def make(rng):
+            kind, seed = kinds[int(rng.integers(len(kinds)))], rng.integers(2**63)
+            ex = random_length(rng, min_len, seq_len, lambda length: make_example(
+                np.random.default_rng(seed), kind, tokenizer, length, words))
+            return ex["prompt_ids"], ex["answer_ids"]
+
+        return make
+
+    seed = int(config.train.seed) % 2**64
+    key = f"{name}-" + cache.short_hash([section.to_dict(), counts, seed, seq_len, tokenizer.fingerprint])
+    return Corpus(
+        key=key,
+        train=QAExamples(counts["train_examples"], 0, seed, tag, seq_len, make_for_split("train"), tokenizer.eos_id),
+        validation=QAExamples(counts["eval_examples"], 1, seed, tag, seq_len, make_for_split("validation"),
+                              tokenizer.eos_id),
+        vocab_size=tokenizer.vocab_size,
+        pack=False,
+        accuracy_key=f"{name}_accuracy",
+        description=f"{description}; {counts['train_examples']} train / {counts['eval_examples']} eval windows "
+                    f"of {seq_len} tokens (seed {seed})",
+    )

@@ -1,0 +1,76 @@
+"""What the long-context tasks (niah, babilong) share: checks, greedy answers through the streaming state,
+sample records and accuracy tables by variant, length and depth."""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+import numpy as np
+
+from nlearn.errors import UserError
+
+PROMPT_CHARS_KEPT = 600  # a long prompt is written to the samples file as its head and tail
+
+
+def require_tokenizer(ctx, task: str):
+    if ctx.tokenizer is None:
+        raise UserError(f"--task={task} needs a text tokenizer; this run's data.source {ctx.config.data.source!r} "
+                        "is token-only (try --task=mqar or --task=perplexity)")
+    return ctx.tokenizer
+
+
+def depth_grid(count: int) -> list[float]:
+    """`count` evenly spaced needle depths in [0, 1] (one: the middle)."""
+    if count < 1:
+        raise UserError(f"--option=depths must be at least 1, got {count}")
+    return [0.5] if count == 1 else [i / (count - 1) for i in range(count)]
+
+
+def int_option(ctx, name: str, default: int) -> int:
+    try:
+        return int(ctx.options.get(name, default))
+    except ValueError:
+        raise UserError(f"--option={name}=... must be an integer, got {ctx.options[name]!r}") from None
+
+
+def answer(streamer, tokenizer, prompt_ids, max_new_tokens: int) -> str:
+    """The greedy reply to a prompt, streamed, up to EOS or the end of the line."""
+    stops = tuple(i for i in (tokenizer.eos_id, tokenizer.newline_id) if i >= 0)
+    return tokenizer.decode(streamer.complete([int(i) for i in prompt_ids], max_new_tokens, stops))
+
+
+def shorten(text: str, keep: int = PROMPT_CHARS_KEPT) -> str:
+    """`text`, or its head and tail around ' [...] ' when longer than `keep` characters."""
+    if len(text) <= keep:
+        return text
+    return text[: keep // 3] + " [...] " + text[-(keep - keep // 3):]
+
+
+def table(scores: Iterable[tuple[str, int, float, float]]) -> dict:
+    """{"accuracy", "by_length", "by_depth", "by_length_depth", "by_variant"} from (variant, length, depth,
+    score) tuples; depths as whole percents, every mean over the tuples it covers."""
+    scores = list(scores)
+
+    def mean(rows):
+        return float(np.mean([r[3] for r in rows])) if rows else 0.0
+
+    def grouped(rows, key):
+        groups = collections.defaultdict(list)
+        for r in rows:
+            groups[key(r)].append(r)
+        return {k: mean(v) for k, v in sorted(groups.items(), key=lambda kv: float(kv[0]))}
+
+    def summary(rows):
+        by_ld = collections.defaultdict(list)
+        for r in rows:
+            by_ld[str(r[1])].append(r)
+        return {"accuracy": mean(rows), "by_length": grouped(rows, lambda r: str(r[1])),
+                "by_depth": grouped(rows, lambda r: str(round(100 * r[2]))),
+                "by_length_depth": {k: grouped(v, lambda r: str(round(100 * r[2])))
+                                    for k, v in sorted(by_ld.items(), key=lambda kv: int(kv[0]))}}
+
+    variants = list(dict.fromkeys(r[0] for r in scores))
+    out = summary(scores)
+    out["by_variant"] = {v: summary([r for r in scores if r[0] == v]) for v in variants}
+    return out

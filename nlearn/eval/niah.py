@@ -1,0 +1,49 @@
+"""`--task=niah`: RULER needle-in-a-haystack at the requested lengths, needles at evenly spaced depths,
+greedy decoding through the streaming state, RULER's string_match_all score (nlearn.data.niah).
+
+`--variant` picks single_1 (default), ..., multiquery, a comma list, or all; `--lengths` the prompt lengths
+in tokens (reply included, as RULER counts them; default train.seq_len); `--samples` prompts per variant
+and length (default 20); `--option=depths=N` the depth grid (default 5: 0, 25, 50, 75, 100%);
+`--option=max_new_tokens=N` the reply budget (default: the answer's tokens + 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nlearn.data import haystack, niah
+from nlearn.eval import longctx
+from nlearn.eval.streaming import streamer_for
+from nlearn.eval.tasks.context import TaskContext
+
+DEFAULT_SAMPLES = 20
+EVAL_STREAM = 2  # seed stream apart from the training (0) and validation (1) windows
+
+
+def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
+    tokenizer = longctx.require_tokenizer(ctx, "niah")
+    names = niah.parse_variants(ctx.variant or "single_1", key="--variant")
+    lengths = ctx.lengths or (int(ctx.config.train.seq_len),)
+    samples = ctx.samples or DEFAULT_SAMPLES
+    depths = longctx.depth_grid(longctx.int_option(ctx, "depths", 5))
+    max_new = longctx.int_option(ctx, "max_new_tokens", 0)
+    needs_essay = any(niah.VARIANTS[n].haystack == "essay" for n in names)
+    words = haystack.haystack_words(ctx.config, "validation") if needs_essay else ()
+    streamer = streamer_for(ctx)
+    scores, records = [], []
+    for vi, name in enumerate(names):
+        variant = niah.VARIANTS[name]
+        for length in lengths:
+            for j in range(samples):
+                rng = np.random.default_rng([niah.SEED_TAG, EVAL_STREAM, ctx.seed, vi, length, j])
+                depth = depths[j % len(depths)]
+                ex = niah.niah_example(rng, variant, tokenizer, length, depth, words)
+                reply = longctx.answer(streamer, tokenizer, ex["prompt_ids"], max_new or len(ex["answer_ids"]) + 4)
+                score = niah.string_match_all(reply, ex["answers"])
+                scores.append((name, length, depth, score))
+                records.append({"variant": name, "length": length, "depth": round(100 * depth),
+                                "prompt_tokens": len(ex["prompt_ids"]), "input": longctx.shorten(ex["prompt"]),
+                                "targets": ex["answers"], "output": reply, "score": score})
+    result = longctx.table(scores)
+    result["scoring"] = "RULER string_match_all (case-insensitive substring, mean over the answers)"
+    return result, records

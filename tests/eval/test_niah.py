@@ -1,0 +1,91 @@
+"""RULER S-NIAH: templates byte for byte, needles at the asked depths, lengths within budget, the scorer."""
+
+import numpy as np
+import pytest
+
+from nlearn.data import niah
+from nlearn.errors import UserError
+
+WORDS = tuple("It is a truth universally acknowledged. That a single man must be in want of a wife! "
+              "However little known the feelings or views of such a man may be? This truth is well fixed.".split())
+
+
+def test_templates_are_rulers():
+    assert niah.NEEDLE == "One of the special magic {type_needle_v} for {key} is: {value}."
+    assert niah.REPEAT_FILLER == ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+                                  "There and back again.")
+    single, noun = niah.prompt_template(niah.VARIANTS["single_1"])
+    assert noun == "number" and single == (
+        "A special magic {type_needle_v} is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat is the special magic "
+        "{type_needle_v} for {query} mentioned in the provided text? The special magic {type_needle_v} for "
+        "{query} mentioned in the provided text is")
+    many, noun = niah.prompt_template(niah.VARIANTS["multivalue"])
+    assert noun == "numbers" and many == (
+        "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
+        "{type_needle_v} for {query} mentioned in the provided text? The special magic {type_needle_v} for "
+        "{query} mentioned in the provided text are")
+
+
+def test_single_1_prompt_byte_for_byte(tokenizer):
+    ex = niah.niah_example(np.random.default_rng(3), niah.VARIANTS["single_1"], tokenizer, 10_000, 0.5)
+    key, (value,) = ex["prompt"].split("for ")[1].split(" is: ")[0], ex["answers"]
+    assert len(value) == 7 and value.isdigit() and value[0] != "0"
+    n = ex["haystack_size"]
+    filler = [niah.REPEAT_FILLER] * n
+    filler.insert(round(n / 2), f"One of the special magic numbers for {key} is: {value}.")
+    expected = ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz "
+                "you about the number afterwards.\n" + "\n".join(filler) + "\nWhat is the special magic number for "
+                f"{key} mentioned in the provided text? The special magic number for {key} mentioned in the "
+                "provided text is")
+    assert ex["prompt"] == expected
+    assert key.split("-")[0] in niah.ADJECTIVES and key.split("-")[1] in niah.NOUNS
+
+
+@pytest.mark.parametrize("name", list(niah.VARIANTS))
+def test_every_variant_fits_its_length_and_hides_its_answers(name, tokenizer):
+    v = niah.VARIANTS[name]
+    ex = niah.niah_example(np.random.default_rng(0), v, tokenizer, 2048, 0.25, WORDS)
+    used = len(ex["prompt_ids"]) + len(ex["answer_ids"]) + 1
+    assert 2048 - 120 < used <= 2048  # filled to within a haystack unit or two
+    assert len(ex["answers"]) == v.num_needle_v * v.num_needle_q
+    for a in ex["answers"]:
+        assert f"is: {a}." in ex["prompt"]
+    if v.type_needle_v == "uuids":
+        assert all(len(a) == 36 and a[14] == "4" for a in ex["answers"])
+    template, noun = niah.prompt_template(v)
+    assert len(ex["queries"]) == v.num_needle_q
+    assert ex["prompt"].endswith(template.split("{context}")[1].format(
+        type_needle_v=noun, query=niah.query_text(ex["queries"])))
+
+
+def test_multiquery_joins_keys_as_ruler():
+    assert niah.query_text(["a-b"]) == "a-b"
+    assert niah.query_text(["a-b", "c-d", "e-f", "g-h"]) == "a-b, c-d, e-f, and g-h"
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_needle_sits_at_its_depth(depth, tokenizer):
+    ex = niah.niah_example(np.random.default_rng(1), niah.VARIANTS["single_1"], tokenizer, 4096, depth)
+    lines = ex["prompt"].split("\n")[1:-1]
+    at = next(i for i, line in enumerate(lines) if line.startswith("One of the special magic"))
+    assert at == round(depth * (len(lines) - 1))
+
+
+def test_string_match_all_and_its_near_misses():
+    score = niah.string_match_all
+    assert score("1234567.", ["1234567"]) == 1.0
+    assert score(" The number is 1234567, I think", ["1234567"]) == 1.0  # RULER: substring
+    assert score("123456.", ["1234567"]) == 0.0  # one digit short
+    assert score("1234576.", ["1234567"]) == 0.0  # two digits swapped
+    assert score("7654321", ["1234567"]) == 0.0
+    assert score("", ["1234567"]) == 0.0
+    assert score("1111111, 3333333", ["1111111", "2222222", "3333333", "4444444"]) == 0.5
+    assert score("ABCDEF01-AAAA-4BBB-8CCC-000000000000", ["abcdef01-aaaa-4bbb-8ccc-000000000000"]) == 1.0
+
+
+def test_bad_variant_names_the_choices():
+    with pytest.raises(UserError, match="single_1"):
+        niah.parse_variants("single_9", key="--variant")
+    assert niah.parse_variants("all") == list(niah.VARIANTS)
