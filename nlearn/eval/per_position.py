@@ -256,9 +256,9 @@ def run(ctx) -> tuple[dict, list[dict]]:
         result["inner_loss"]["definition"] = (
             "per token, the memory's own objective on (k_t, v_t) at its state before (theta_{t-1}) and after "
             "(theta_t) the token's write; mean over heads and memory layers")
-    plot = os.path.join(ctx.workdir, "eval", "per_position.png")
-    result["plot"] = plot_loss_by_position({result["family"]: result}, plot,
-                                           f"{result['family']}, step {result['step']}")
+    result["plot"] = os.path.join("eval", "per_position.png")  # relative to the workdir
+    plot_loss_by_position({result["family"]: result}, os.path.join(ctx.workdir, result["plot"]),
+                          f"{result['family']}, step {result['step']}")
     samples = [{"document": name, "first_tokens": tokens[i, :32].tolist(), "length": length,
                 "loss": float(losses[i].mean()), "within_window_loss": float(losses[i, :window].mean()),
                 **({"beyond_window_loss": float(losses[i, window:].mean())} if length > window else {})}

@@ -166,5 +166,5 @@ def test_task_writes_result_samples_and_plot(lmm_model, tmp_path):
     inner = result["inner_loss"]
     assert inner["layers"] == [0] and set(inner["by_position"]["0"]) >= {"before", "after", "after_ci95"}
     assert len(samples) == 3 and "beyond_window_loss" in samples[0]
-    assert os.path.getsize(result["plot"]) > 1000
+    assert os.path.getsize(os.path.join(tmp_path, result["plot"])) > 1000
     json.dumps(result)  # the CLI writes it as JSON
