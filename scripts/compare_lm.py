@@ -208,13 +208,14 @@ def table(entries: list[dict], counts: dict) -> str:
             delta = f"**{delta}** (over {PARAM_TOLERANCE:.0%})" if abs(n / ref - 1) > PARAM_TOLERANCE else delta
         else:
             delta = ""
-        failed = "; ".join(f"seed {s} failed: `{err}`" for s, err in e["failed"])
+        failed = "; ".join(f"seed {s} failed: `{err}`" for s, err in e["failed"]) or "not run"
+        params = f"{n / 1e6:.2f}M" if isinstance(n, int) else f"{e['params_m']:.2f}M" if "params_m" in e else ""
         if "mean" not in e:
-            out.append(f"| {e['row']} | {failed} | | | | | | |")
+            out.append(f"| {e['row']} | {params} | {delta} | | {failed} | | | |")
             continue
         ppl = f"{e['mean']:.1f} ± {e['spread']:.1f}" if len(e["seeds"]) > 1 else f"{e['mean']:.1f}"
-        seeds = ", ".join(f"{p:.1f}" for p in e["per_seed"]) + (f"; {failed}" if failed else "")
-        out.append(f"| {e['row']} | {e['params_m']:.2f}M | {delta} | {e['tokens'] / 1e6:.2f}M | {ppl} | {seeds} "
+        seeds = ", ".join(f"{p:.1f}" for p in e["per_seed"]) + (f"; {failed}" if e["failed"] else "")
+        out.append(f"| {e['row']} | {params} | {delta} | {e['tokens'] / 1e6:.2f}M | {ppl} | {seeds} "
                    f"| {e['tokens_per_sec']:,.0f} | {e['minutes']:.1f} min |")
     unigram = next((e["unigram"] for e in entries if e.get("unigram")), None)
     if unigram:
@@ -270,7 +271,7 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",")]
     counts = param_counts(rows, args.overrides)
     warnings = param_warnings(counts)
-    for line in warnings:
+    for line in warnings if not args.rows else []:
         print(line, file=sys.stderr, flush=True)
     if args.params_only:
         print(params_table(counts))
@@ -283,6 +284,8 @@ def main():
             print(json.dumps(runs[-1]), flush=True)
     warnings += data_mismatches(runs)
     entries = summarise(runs, rows)
+    if ladder:  # best first; rows without a result last
+        entries.sort(key=lambda e: e.get("mean", float("inf")))
     body = table(entries, counts)
     print(body)
     for line in warnings:

@@ -150,13 +150,13 @@ def test_compare_lm_table_has_seed_mean_spread_and_flags_unequal_parameters():
 
     runs = [run("transformer", 0, 500.0), run("transformer", 1, 520.0), run("a:model.x=1", 0, 400.0),
             run("a:model.x=1", 1, 510.0), {"row": "b", "seed": 0, "error": "error: training loss became nan"}]
-    entries = compare.summarise(runs, ["transformer", "a:model.x=1", "b"])
-    counts = {"transformer": 1_000_000, "a:model.x=1": 1_060_000, "b": 990_000}
+    entries = compare.summarise(runs, ["transformer", "a:model.x=1", "b", "c"])
+    counts = {"transformer": 1_000_000, "a:model.x=1": 1_060_000, "b": 990_000, "c": 1_000_000}
     lines = compare.table(entries, counts).splitlines()
     assert lines[2] == "| transformer | 1.00M | +0.0% | 0.00M | 510.0 ± 10.0 | 500.0, 520.0 | 1,000 | 0.5 min |"
     assert "| **+6.0%** (over 5%) |" in lines[3] and "| 455.0 ± 55.0 | 400.0, 510.0 |" in lines[3]
-    assert lines[4].startswith("| b | seed 0 failed: `error: training loss became nan` |")
-    assert lines[5].startswith("| unigram baseline |")
+    assert lines[4] == "| b | 0.99M | -1.0% | | seed 0 failed: `error: training loss became nan` | | | |"
+    assert lines[5] == "| c | 1.00M | +0.0% | | not run | | | |" and lines[6].startswith("| unigram baseline |")
     assert compare.param_warnings(counts) == [
         "warning: a:model.x=1 has 1.06M parameters, +6.0% from transformer's 1.00M "
         "(more than 5%: not an equal-parameter comparison)"]
