@@ -17,10 +17,16 @@ writes every memory by one DGD step on ½‖M_□(k_t) − v̂_□,t‖² with t
 
     e = M_□[θ^c](k_t) − v̂,  h = act(k_t W^c_in),  δ = (e W^cᵀ_out) ⊙ act'(k_t W^c_in)
     W_in,t  = (retain_t I − lr_t k_tᵀk_t) W_in,t−1 − lr_t k_tᵀ δ      (dgd=False: retain_t W_in,t−1 − …)
-    W_out,t = retain_t W_out,t−1 − lr_t hᵀ e
+    W_out,t = retain_t W_out,t−1 − lr_t hᵀ e     (dgd_output: (retain_t I − lr_t hᵀh) W_out,t−1 − lr_t hᵀ e)
 
 and reads o_t = M_memory[θ](q_t) with θ the state after token t's write ("after_write"), before it
 ("before_write", eq. 86) or at the chunk start ("chunk_start", eq. 90).
+
+`dgd_output` (choice; HOPE.md applies DGD to the input layer only): the output layer's write gets the
+same preconditioner with its own input h as the key. The gradients of a chunk are all taken at its
+start state, so without it the output layers' steps add up over a chunk (about C·lr·|h|² along a
+repeated h, unbounded); with it the sequential factor (retain − lr|h|²) keeps the accumulated move
+along h near the error, as DGD does for the input layer along k (for lr·|h|² ≤ 1 + retain).
 
 `adaptive_q` (choice): the q memory adapts the layer's static query, q_t = l2norm(M_q[θ^c_q](q_in_t)),
 so the projection x W_q stays the input and the memory only learns a residual correction in context.
@@ -67,6 +73,7 @@ class _Spec:
     chunk_other: int
     lr_max: float
     dgd: bool
+    dgd_output: bool
     read: str
     self_targets: bool
     adaptive_q: bool
@@ -82,7 +89,7 @@ def memory_names(adaptive_q: bool = False) -> tuple:
     return GENERATORS + (("q",) if adaptive_q else ()) + ("memory",)
 
 
-def _make_spec(*, chunk_memory, chunk_other, activation, dgd, read, self_targets, adaptive_q, lr_max,
+def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, self_targets, adaptive_q, lr_max,
                precision) -> _Spec:
     check_positive("chunk_memory", chunk_memory)
     check_positive("chunk_other", chunk_other)
@@ -95,7 +102,7 @@ def _make_spec(*, chunk_memory, chunk_other, activation, dgd, read, self_targets
     if isinstance(lr_max, (int, float)) and not lr_max > 0:
         raise ValueError(f"lr_max must be positive, got {lr_max!r}")
     return _Spec(ACTIVATIONS[activation], memory_names(adaptive_q), chunk_memory, chunk_other, lr_max, bool(dgd),
-                 read, bool(self_targets), bool(adaptive_q), precision)
+                 bool(dgd_output), read, bool(self_targets), bool(adaptive_q), precision)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,8 +256,9 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
         h, e, delta = pieces[n]
         w_in, w_out = state.weights[n]
         step_in = delta + _mm(spec, k, w_in) if spec.dgd else delta
+        step_out = e + _mm(spec, h, w_out) if spec.dgd_output else e
         new[n] = (retain * w_in - lr * _mm(spec, k_col, step_in),
-                  retain * w_out - lr * _mm(spec, jnp.swapaxes(h, -1, -2), e))
+                  retain * w_out - lr * _mm(spec, jnp.swapaxes(h, -1, -2), step_out))
     read_state = {"after_write": new, "before_write": state.weights, "chunk_start": start}[spec.read]["memory"]
     o = _apply(spec, read_state, g["q"])[..., 0, :]
     return o, SelfRefTitansState(new, start, (pos + 1) % spec.period)
@@ -309,14 +317,15 @@ def _decayed_memory(spec: _Spec, dec: _Decay, s, keys, u, y=None):
     return s_end, dec.read_eg[..., None] * _mm(spec, y, s) + _mm(spec, scores, u)
 
 
-def _input_values(spec: _Spec, g, dec: _Decay, s, delta):
-    """u_t of the input layer written as S_t = retain_t S_{t−1} + k_tᵀ u_t: −lr_t δ_t without DGD; with
-    DGD the gated delta rule (a = retain, β = lr / retain, values −retain·δ) solved in WY form,
-    u = (I + strict(β K Kᵀ ⊙ Γ))⁻¹ (−lr δ − (β e^G ⊙ K) S)."""
-    rhs = -g["lr"][..., None] * delta
-    if not spec.dgd:
+def _layer_values(spec: _Spec, g, dec: _Decay, s, keys, grad, dgd: bool):
+    """u_t of a layer written as S_t = retain_t S_{t−1} + key_tᵀ u_t (keys: k for the input layer, h for
+    the output layer; grad: δ or e): −lr_t grad_t without DGD; with DGD the gated delta rule (a = retain,
+    β = lr / retain, values −retain·grad) solved in WY form, u = (I + strict(β K Kᵀ ⊙ Γ))⁻¹ (−lr grad −
+    (β e^G ⊙ K) S)."""
+    rhs = -g["lr"][..., None] * grad
+    if not dgd:
         return rhs
-    k, beta = g["k"], g["beta"]
+    k, beta = keys, g["beta"]
     kk = _mm(spec, k, jnp.swapaxes(k, -1, -2))
     c = kk.shape[-1]
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
@@ -329,8 +338,8 @@ def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None):
     by all their input layers) and, with q, the memory's read o_t = q_t + act(q_t W_in) W_out at the
     `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention."""
     pieces = _errors(spec, names, start, g["k"], g["v"])
-    u_in = _input_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1),
-                         jnp.concatenate([pieces[n][2] for n in names], axis=-1))
+    u_in = _layer_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1), g["k"],
+                         jnp.concatenate([pieces[n][2] for n in names], axis=-1), spec.dgd)
     new, out, col = {}, None, 0
     for n in names:
         h, e, _ = pieces[n]
@@ -342,7 +351,8 @@ def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None):
         hq = None
         if reads:
             hq = spec.act(zq if per_token else _mm(spec, q, start[n][0]))
-        w_out, yo = _decayed_memory(spec, dec, cur[n][1], h, -g["lr"][..., None] * e, hq if per_token else None)
+        u_out = _layer_values(spec, g, dec, cur[n][1], h, e, spec.dgd_output)
+        w_out, yo = _decayed_memory(spec, dec, cur[n][1], h, u_out, hq if per_token else None)
         if reads:
             out = q + (yo if per_token else _mm(spec, hq, start[n][1]))
         new[n] = (w_in, w_out)
@@ -459,22 +469,23 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
 
 def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max, chunk_memory: int = 16,
                             chunk_other: int = 64, activation: str = "gelu", dgd: bool = True,
-                            read: str = "after_write", self_targets: bool = True, adaptive_q: bool = False,
-                            initial_state=None, impl: str = "chunked", precision=HIGHEST,
+                            dgd_output: bool = False, read: str = "after_write", self_targets: bool = True,
+                            adaptive_q: bool = False, initial_state=None, impl: str = "chunked", precision=HIGHEST,
                             return_stream_state: bool = False):
     """Run self-referential Titans over a sequence.
 
     x, q: [B, T, H, D] (the layer has applied conv, projections and q's L2 norm).
     weights0: `{name: (W_in [H, D, Dh], W_out [H, Dh, D_out])}` for `memory_names(adaptive_q)`
       (`D_out` = D, or 1 for lr and retain; a leading B is allowed); lr_bias, retain_bias: [H].
+    dgd_output: DGD on the output layers too (see the module docstring; off as in HOPE.md).
     initial_state: a weights dict like the returned state (continues a stream split on a chunk
       boundary of both grids) or a `SelfRefTitansState` (resumes anywhere).
     Returns `(o [B, T, H, D], state)`: the final weights `{name: (W_in, W_out)}` as `[B, H, ...]`,
     or a `SelfRefTitansState` with `return_stream_state`.
     """
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
-                      read=read, self_targets=self_targets, adaptive_q=adaptive_q, lr_max=lr_max,
-                      precision=precision)
+                      dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
+                      lr_max=lr_max, precision=precision)
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
     _check_inputs(x, q, lr_bias, retain_bias)
@@ -496,14 +507,15 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
 
 def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias, retain_bias, lr_max,
                                  chunk_memory: int = 16, chunk_other: int = 64, activation: str = "gelu",
-                                 dgd: bool = True, read: str = "after_write", self_targets: bool = True,
+                                 dgd: bool = True, dgd_output: bool = False, read: str = "after_write",
+                                 self_targets: bool = True,
                                  adaptive_q: bool = False, precision=HIGHEST):
     """Decode one token: x_t, q_t [B, H, D]; `state` from `init_state` or
     `self_referential_titans(..., return_stream_state=True)`. Returns `(o_t [B, H, D], state)`;
     steps equal the full sequence across chunk boundaries of both grids."""
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
-                      read=read, self_targets=self_targets, adaptive_q=adaptive_q, lr_max=lr_max,
-                      precision=precision)
+                      dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
+                      lr_max=lr_max, precision=precision)
     if x_t.ndim != 3:
         raise ValueError(f"x_t must have shape [B, H, D], got shape {tuple(x_t.shape)}")
     _check_inputs(x_t[:, None], q_t[:, None] if q_t.ndim == 3 else q_t, lr_bias, retain_bias)

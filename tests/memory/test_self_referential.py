@@ -86,7 +86,7 @@ def dgd_write(cur, k, grad, lr, retain, dgd=True):
 
 
 def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memory, chunk_other, activation="gelu",
-              dgd=True, read="after_write", self_targets=True, adaptive_q=False):
+              dgd=True, dgd_output=False, read="after_write", self_targets=True, adaptive_q=False):
     """o [B, T, H, D] and the final weights; call it under `jax.enable_x64(True)` with float64 inputs."""
     f, df = _act(activation)
     bsz, t_len = x.shape[:2]
@@ -111,7 +111,7 @@ def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memo
             g_in = k[..., :, None] * delta[..., None, :]
             g_out = f(z)[..., :, None] * e[..., None, :]
             new[n] = (dgd_write(weights[n][0], k, g_in, lr, retain, dgd),
-                      dgd_write(weights[n][1], None, g_out, lr, retain, False))
+                      dgd_write(weights[n][1], f(z), g_out, lr, retain, dgd_output))
         state = {"after_write": new, "before_write": weights, "chunk_start": start}[read]["memory"]
         outs.append(_mem("memory", state, qt, bias, f))
         weights = new
@@ -148,7 +148,8 @@ def f64(tree):
 
 def op_kwargs(cfg):
     return dict(lr_max=LR_MAX, chunk_memory=cfg.get("cm", 2), chunk_other=cfg.get("co", 4),
-                activation=cfg.get("act", "gelu"), dgd=cfg.get("dgd", True), read=cfg.get("read", "after_write"),
+                activation=cfg.get("act", "gelu"), dgd=cfg.get("dgd", True), dgd_output=cfg.get("dgo", False),
+                read=cfg.get("read", "after_write"),
                 self_targets=cfg.get("st", True), adaptive_q=cfg.get("aq", False))
 
 
@@ -159,6 +160,7 @@ RECURRENT_CFGS = [
     dict(read="after_write"),
     dict(read="before_write", dgd=False, cm=4, co=2),
     dict(read="chunk_start", st=False, aq=True, act="tanh"),
+    dict(read="before_write", dgo=True),
 ]
 
 
@@ -274,12 +276,14 @@ GRAD_T = 11  # divides no chunk size used here
 GRAD_CFGS = [
     dict(cm=2, co=4),  # memory chunks inside the generators' chunks
     dict(cm=4, co=2, read="before_write", dgd=False, st=False),
+    dict(cm=2, co=4, dgo=True),  # DGD on the output layers too
     dict(cm=4, co=4, read="chunk_start", aq=True),
 ]
-# The default suite checks two configurations; the third and the full sweep are slow.
-GRAD_PARAMS = GRAD_CFGS[:2] + [pytest.param(GRAD_CFGS[2], marks=pytest.mark.slow)]
+# The default suite checks three configurations; the fourth and the full sweep are slow.
+GRAD_PARAMS = GRAD_CFGS[:3] + [pytest.param(GRAD_CFGS[3], marks=pytest.mark.slow)]
 SWEEP = [dict(cm=cm, co=co, read=r, dgd=d, st=s) for (cm, co) in ((2, 4), (4, 4), (4, 2))
          for r in ("after_write", "before_write", "chunk_start") for d in (True, False) for s in (True, False)]
+SWEEP += [dict(cm=cm, co=co, read=r, dgo=True) for (cm, co) in ((2, 4), (4, 2)) for r in ("after_write", "chunk_start")]
 
 
 @pytest.mark.parametrize("cfg", GRAD_PARAMS, ids=cfg_id)
