@@ -19,6 +19,7 @@ from nlearn.errors import UserError
 EXIT_LOST_PEER = 3
 _KEY = "nlearn"
 _watchdog = None
+DONE = "done"
 
 
 def _setting(config, name: str, default):
@@ -73,6 +74,7 @@ def finish() -> None:
     if _watchdog is not None:
         _watchdog.stopped.set()
         _watchdog.join()
+        _client().key_value_set(f"{_KEY}/alive/{jax.process_index()}", DONE, allow_overwrite=True)
         _watchdog = None
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
@@ -132,7 +134,7 @@ class Watchdog(threading.Thread):
                 lost_peer(f"lost process 0 of {self.count} (the coordinator): {first}")
             for peer in range(self.count):
                 value = values.get(f"{_KEY}/alive/{peer}")
-                if peer == self.me:
+                if peer == self.me or value == DONE:  # a peer that finished waits in JAX's shutdown barrier
                     continue
                 if peer not in seen or seen[peer][0] != value:
                     seen[peer] = (value, now)
