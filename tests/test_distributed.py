@@ -64,6 +64,7 @@ def test_bad_distributed_settings_are_refused(key, value):
 
 
 def test_one_process_leaves_jax_distributed_alone(monkeypatch):
+    from nlearn.errors import UserError
     from nlearn.train import distributed
     from run_helpers import load_family_config
 
@@ -74,6 +75,11 @@ def test_one_process_leaves_jax_distributed_alone(monkeypatch):
     assert not distributed.wanted(config)
     config.distributed.num_processes = 2
     assert distributed.wanted(config)
+    # A coordinator named in the environment but no process count: one line saying what is missing.
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    config.distributed.num_processes = 0
+    with pytest.raises(UserError, match="Number of processes must be defined.*coordinator=localhost:1"):
+        distributed.initialize(config)
 
 
 PEER = textwrap.dedent("""
