@@ -64,6 +64,7 @@ def test_bad_distributed_settings_are_refused(key, value):
 
 
 def test_one_process_leaves_jax_distributed_alone(monkeypatch):
+    from nlearn.errors import UserError
     from nlearn.train import distributed
     from run_helpers import load_family_config
 
@@ -74,38 +75,50 @@ def test_one_process_leaves_jax_distributed_alone(monkeypatch):
     assert not distributed.wanted(config)
     config.distributed.num_processes = 2
     assert distributed.wanted(config)
+    # A coordinator named in the environment but no process count: one line saying what is missing.
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    config.distributed.num_processes = 0
+    with pytest.raises(UserError, match="Number of processes must be defined.*coordinator=localhost:1"):
+        distributed.initialize(config)
 
 
 PEER = textwrap.dedent("""
     import os, sys, time
     import ml_collections
     from nlearn.train import distributed
-    config = ml_collections.ConfigDict({"distributed": {"coordinator": sys.argv[1], "num_processes": 2,
-                                                        "process_id": int(sys.argv[2]), "timeout_s": 3}})
+    me = int(sys.argv[2])
+    config = ml_collections.ConfigDict({"distributed": {"coordinator": sys.argv[1], "num_processes": 3,
+                                                        "process_id": me, "timeout_s": 2}})
     assert distributed.initialize(config)
-    print(b"|".join(distributed.exchange("hello", sys.argv[2].encode())).decode(), flush=True)
-    if sys.argv[2] == "1":
+    print(b"|".join(distributed.exchange("hello", str(me).encode())).decode(), flush=True)
+    if me == 1:
+        time.sleep(3)
         os._exit(0)  # dies without leaving the job
+    if me == 2:
+        distributed.finish()  # done: waits for the others in JAX's shutdown barrier, no longer heartbeating
     time.sleep(60)
 """)
 
 
 def test_peers_exchange_and_a_dead_one_is_named():
-    """Two bare processes: `exchange` returns every process's payload; when one vanishes the other stops
-    within timeout_s (3 s here) with one line naming it, rather than waiting in a collective for ever."""
+    """Three bare processes: `exchange` returns every process's payload. Process 2 finishes at once, process 1
+    vanishes 3 s later: process 0 stops within timeout_s (2 s) of the death with one line naming process 1
+    (a finished peer is not a lost one), rather than waiting in a collective for ever."""
     from launch_local import free_port, process_env
 
     address = f"localhost:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-c", PEER, address, str(i)], cwd=ROOT, env=process_env(1),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
     out1, _ = procs[1].communicate(timeout=120)
     began = time.monotonic()
     out0, err0 = procs[0].communicate(timeout=120)
     waited = time.monotonic() - began
-    assert out0.strip() == out1.strip() == "0|1"
+    procs[2].kill()
+    procs[2].wait()
+    assert out0.strip() == out1.strip() == "0|1|2"
     assert procs[0].returncode == 3 and waited < 30, (procs[0].returncode, waited, err0)
     assert [line for line in err0.splitlines() if line.startswith("error:")] == [
-        next(line for line in err0.splitlines() if "lost process 1 of 2: no heartbeat" in line)]
+        next(line for line in err0.splitlines() if "lost process 1 of 3: no heartbeat" in line)]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from nlearn.errors import UserError
 EXIT_LOST_PEER = 3
 _KEY = "nlearn"
 _watchdog = None
+DONE = "done"
 
 
 def _setting(config, name: str, default):
@@ -54,11 +55,20 @@ def initialize(config) -> bool:
     timeout_s = int(_setting(config, "timeout_s", 60))
     num = int(_setting(config, "num_processes", 0)) or None
     pid = int(_setting(config, "process_id", -1))
-    jax.distributed.initialize(
-        coordinator_address=_setting(config, "coordinator", "") or None, num_processes=num,
-        process_id=None if pid < 0 else pid, initialization_timeout=max(timeout_s, 300),
-        # JAX's own check aborts with a stack trace: ours (below) must speak first.
-        heartbeat_timeout_seconds=2 * timeout_s + 30 if timeout_s else 100)
+    coordinator = _setting(config, "coordinator", "") or None
+    named = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or "unset"
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num, process_id=None if pid < 0 else pid,
+            initialization_timeout=max(timeout_s, 300),
+            # JAX's own check aborts with a stack trace: ours (below) must speak first.
+            heartbeat_timeout_seconds=2 * timeout_s + 30 if timeout_s else 100)
+    except Exception as e:  # missing settings, an unreachable coordinator: one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"jax.distributed.initialize failed ({first}); with coordinator={named}, "
+                        f"num_processes={num or 'unset'}, process_id={pid if pid >= 0 else 'unset'} "
+                        "(set distributed.coordinator/num_processes/process_id, or run under SLURM or on a TPU "
+                        "pod)") from e
     if jax.process_count() > 1 and timeout_s:
         global _watchdog
         _watchdog = Watchdog(timeout_s)
@@ -73,6 +83,7 @@ def finish() -> None:
     if _watchdog is not None:
         _watchdog.stopped.set()
         _watchdog.join()
+        _client().key_value_set(f"{_KEY}/alive/{jax.process_index()}", DONE, allow_overwrite=True)
         _watchdog = None
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
@@ -132,7 +143,7 @@ class Watchdog(threading.Thread):
                 lost_peer(f"lost process 0 of {self.count} (the coordinator): {first}")
             for peer in range(self.count):
                 value = values.get(f"{_KEY}/alive/{peer}")
-                if peer == self.me:
+                if peer == self.me or value == DONE:  # a peer that finished waits in JAX's shutdown barrier
                     continue
                 if peer not in seen or seen[peer][0] != value:
                     seen[peer] = (value, now)
