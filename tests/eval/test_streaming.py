@@ -9,7 +9,7 @@ from nlearn.eval.generate import generate
 from nlearn.eval.streaming import Streamer
 from nlearn.train.step import token_losses
 
-FAMILIES = ["transformer", "titans_lmm", pytest.param("deltanet", marks=pytest.mark.slow)]
+FAMILIES = ["titans_lmm"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("transformer", "deltanet")]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,5 +1,7 @@
 """The babilong and mqar tasks in process, on untrained models: the result's shape and records."""
 
+import pytest
+
 from eval_helpers import small_config, split_model
 from nlearn.data.haystack import text_tokenizer
 from nlearn.eval import babilong as babilong_task
@@ -19,6 +21,7 @@ def test_babilong_task(haystack_config):
     assert len(records) == 4 and all(r["targets"][0] in babilong_task.babilong.LOCATIONS for r in records)
 
 
+@pytest.mark.slow  # ~6 s of compilation per length; tests/data covers the MQAR windows
 def test_mqar_task_sweeps_lengths():
     config = small_config("deltanet", vocab=64)
     with config.unlocked():
