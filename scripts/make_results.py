@@ -148,15 +148,17 @@ def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
 
 
 def per_position_table(runs: list[dict]) -> str:
-    out = ["| run | step | trained at | positions | documents | loss within window | beyond window | "
-           "inner loss before / after write |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| run | step | training tokens | trained at | positions | documents | loss within window | beyond window | "
+           "inner loss before / after write |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         e = r["evals"]["per_position"]
         inner = e.get("inner_loss")
         inner = "" if not inner else f"{inner['mean_before']:.3f} / {inner['mean_after']:.3f}"
         beyond = e.get("beyond_window_loss")
         beyond = "" if beyond is None else f"{beyond:.3f}"
-        out.append(f"| {r['label']} | {e.get('step', '')} | {e.get('train_seq_len', r['seq_len'])} | {e['length']} | "
+        seen = tokens_seen(e)
+        out.append(f"| {r['label']} | {e.get('step', '')} | {'' if seen is None else f'{seen:,}'} | "
+                   f"{e.get('train_seq_len', r['seq_len'])} | {e['length']} | "
                    f"{e['documents']} ({e.get('source', '')}) | {e['within_window_loss']:.3f} | "
                    f"{beyond} | {inner} |")
     return "\n".join(out)

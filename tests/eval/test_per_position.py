@@ -58,6 +58,7 @@ def mid_stream(mixer):
     return x[:, T0:], cache, losses
 
 
+@pytest.mark.slow
 def test_neural_memory_probe_equals_the_ops_inner_loss():
     mixer = perturbed(NeuralMemoryMixer(small("titans_lmm", minibatch=2, max_lr=1.0), rngs=nnx.Rngs(0)))
     x, cache, (before, after) = mid_stream(mixer)
