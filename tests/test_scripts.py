@@ -107,3 +107,14 @@ def test_results_files_say_which_command_made_them_where_and_when(tmp_path):
                          ("bench_ops", "bench_ops.md")]:  # each script rewrites its own file, never README.md
         text = open(os.path.join(ROOT, "scripts", f"{script}.py")).read()
         assert f'write_results("{name}"' in text and "README.md" not in text
+
+
+def test_mqar_merge_replaces_or_appends_a_row_and_stamps_it():
+    mqar = load_script("mqar")
+    text = "# T\n\nNote.\n\n| family | a |\n|---|---|\n| x | 1 |\n| y | 2 |\n\nAfter.\n"
+    head = "| family | a |\n|---|---|\n"
+    out = mqar.merge_rows(text, head + "| z | 3 |", "z: one.")
+    out = mqar.merge_rows(out, head + "| x | 9 |", "x: two.")
+    out = mqar.merge_rows(out, head + "| z | 4 |", "z: three.")
+    assert out == ("# T\n\nNote.\n\n| family | a |\n|---|---|\n| x | 9 |\n| y | 2 |\n| z | 4 |\n\n"
+                   "Merged row z: three.\nMerged row x: two.\n\nAfter.\n")
