@@ -120,6 +120,7 @@ MIGRATIONS = (
     ("model.mac_memory_input", "x+y", lambda c: c.model.family == "titans_mac"),
     ("model.mag_output", "blend", lambda c: c.model.family == "titans_mag"),
     ("model.mal_attn_input", "x+m", lambda c: c.model.family == "titans_mal"),
+    ("model.memory.dgd_output", False, lambda c: c.model.family in ("self_ref_titans", "hope")),
 )
 
 
