@@ -62,10 +62,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
     # Stronger writes than the LM default from the start (lr_t ~ 0.25 against 0.05) and little forgetting
     # (retain 0.999: ~78% of a write left 250 tokens on, against 8% with the LM default 0.99), as titans_lmm's
-    # max_lr and titans_mac's decay_init. Not yet shown to reach 95%: with lr_max 1.0 (lr_t ~ 0.5) the first
-    # run's loss fell below the plateau (5.51 at step 150 of the 64-token stage) and then became nan before
-    # step 200, and so did this preset (lr_max 0.5: 5.50 at step 150, nan at 160): the output layer's step
-    # lr·|h|² is not bounded by lr_max (HOPE.md "Numerics"). Open: bound it (e.g. normalise h) or clip.
+    # max_lr and titans_mac's decay_init. Not yet shown to reach 95%: runs became nan at step ~160, just after
+    # the loss left the plateau. The first layer's `memory` (fast weights, both layers) grows ~10x per 16-token
+    # chunk at the step-140 parameters, hidden from the loss by the output RMSNorm until it overflows. It is
+    # the self-generated targets (bounded with self_targets=False; not stopped by token-by-token updates, lr_max
+    # 0.1, l2-normalised v or `dgd_output`): results/history.md, 2026-12-01. Open.
     "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999},
 }
 # Per-family training overrides (paths from the config root), for a family the common recipe does

@@ -2,7 +2,7 @@
 values, learning rates, retention and targets, trained in context by DGD in chunks.
 
 Presets: tiny, 340m, 760m, 1.3b. Every choice of HOPE.md §1 is a one-line override, e.g.
---config.model.memory.read=before_write|chunk_start, .dgd=False, .self_targets=False,
+--config.model.memory.read=before_write|chunk_start, .dgd=False, .dgd_output=True, .self_targets=False,
 .adaptive_q=True, .chunk_memory=8, .chunk_other=32, .lr_max=0.25, .expansion=2, .activation=silu.
 
   nlearn-train --config=configs/self_ref_titans.py:tiny --workdir=runs/self_ref_titans

@@ -6,11 +6,14 @@ comes first: at the limit the trainer gets SIGTERM, saves a checkpoint and exits
 checkpoint is then scored by `nlearn-eval` (the trainer skips its own final evaluation, so scoring
 is not charged to the budget). The table reports accuracy on the answers, parameter count, the
 training process's wall time (start-up, compilation and checkpoints included) and the steps it reached.
+`--merge` trains only the given families and puts their rows into the existing results/mqar.md (replacing
+a family's old row), with one line under the table saying where and when each merged row was made.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import importlib.util
 import json
@@ -26,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from nlearn.config import base_config  # noqa: E402
 from nlearn.data.curriculum import parse_curriculum  # noqa: E402
-from results_md import write_results  # noqa: E402
+from results_md import RESULTS_DIR, machine, write_results  # noqa: E402
 
 DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "linear_attention", "transformer")
 
@@ -120,6 +123,36 @@ def table(rows: list[dict], steps: int) -> str:
     return "\n".join(out)
 
 
+def merge_rows(text: str, body: str, stamp: str) -> str:
+    """`text` (a results file) with the rows of table `body` put in its table, each replacing the row of
+    the same family or appended, and `stamp` ("<family>: ...") under the table, replacing an older stamp of
+    that family."""
+    lines = text.rstrip("\n").split("\n")
+    rows = body.strip().split("\n")[2:]
+    table = [i for i, line in enumerate(lines) if line.startswith("|")]
+    if len(table) < 2:
+        raise ValueError("no table to merge into")
+    for row in rows:
+        family = row.split("|")[1].strip()
+        same = [i for i in table[2:] if lines[i].split("|")[1].strip() == family]
+        if same:
+            lines[same[0]] = row
+        else:
+            table.append(table[-1] + 1)
+            lines.insert(table[-1], row)
+    end = table[-1] + 1
+    family = stamp.split(":")[0]
+    stamps = [i for i in range(end, len(lines)) if lines[i].startswith("Merged row ")]
+    same = [i for i in stamps if lines[i].startswith(f"Merged row {family}:")]
+    if same:
+        lines[same[0]] = f"Merged row {stamp}"
+    elif stamps:
+        lines.insert(stamps[-1] + 1, f"Merged row {stamp}")
+    else:  # a paragraph of its own under the table
+        lines[end:end] = ["", f"Merged row {stamp}"]
+    return "\n".join(lines) + "\n"
+
+
 def schedule(budget: dict) -> str:
     ratio = budget.get("min_lr_ratio", 0.0)
     if ratio == 1.0:
@@ -178,6 +211,9 @@ def main():
     parser.add_argument("--reuse", action="store_true",
                         help="keep the row of a family whose workdir holds a row.json trained from the "
                              "same preset (no retraining)")
+    parser.add_argument("--merge", action="store_true",
+                        help="put the given families' rows into the existing results/mqar.md instead of "
+                             "rewriting it")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
     presets = mqar_presets()
@@ -204,7 +240,21 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     body = table(rows, presets.BUDGET["steps"])
     print(body)
-    if not args.print_only and not args.overrides:
+    if args.merge and not args.print_only and not args.overrides:
+        path = os.path.join(RESULTS_DIR, "mqar.md")
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        text = open(path).read()
+        for family, row in zip(families, body.split("\n")[2:]):
+            settings = per_family("settings", presets.FAMILY_OVERRIDES, [family]) + per_family(
+                "training", presets.FAMILY_TRAINING, [family])
+            stamp = (f"{family}: `python scripts/mqar.py --families={family} --merge` on {machine()}, {date}, "
+                     f"load average {load} at the end.{settings}")
+            text = merge_rows(text, "\n".join(body.split("\n")[:2] + [row]), stamp)
+        with open(path, "w") as f:
+            f.write(text)
+        print(path)
+    elif not args.print_only and not args.overrides:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         text = note(presets, families, limit, load)
         if reused:

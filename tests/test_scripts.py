@@ -186,3 +186,15 @@ def load_family_count(family: str) -> int:
     from nlearn.models import count_params
 
     return count_params(load_family_config(family))
+
+
+
+def test_mqar_merge_replaces_or_appends_a_row_and_stamps_it():
+    mqar = load_script("mqar")
+    text = "# T\n\nNote.\n\n| family | a |\n|---|---|\n| x | 1 |\n| y | 2 |\n\nAfter.\n"
+    head = "| family | a |\n|---|---|\n"
+    out = mqar.merge_rows(text, head + "| z | 3 |", "z: one.")
+    out = mqar.merge_rows(out, head + "| x | 9 |", "x: two.")
+    out = mqar.merge_rows(out, head + "| z | 4 |", "z: three.")
+    assert out == ("# T\n\nNote.\n\n| family | a |\n|---|---|\n| x | 9 |\n| y | 2 |\n| z | 4 |\n\n"
+                   "Merged row z: three.\nMerged row x: two.\n\nAfter.\n")

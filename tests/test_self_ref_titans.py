@@ -70,6 +70,7 @@ def test_presets_have_their_pinned_sizes(preset):
     ("read", "after", "before_write"),
     ("activation", "softplus", "gelu"),
     ("dgd", 1, "True or False"),
+    ("dgd_output", 1, "True or False"),
     ("self_targets", 0, "True or False"),
     ("adaptive_q", 1, "True or False"),
     ("lr_max", 0.0, "(0, 1]"),
@@ -103,8 +104,8 @@ def _forward(config, x_BTD):
     return mixer, run_fast(lambda s, x: nnx.merge(graphdef, s)(x)[0], state, x_BTD)
 
 
-OVERRIDES = ["read=before_write", "read=chunk_start", "dgd=False", "self_targets=False", "adaptive_q=True",
-             "chunk_memory=8", "chunk_other=4", "lr_max=0.25", "expansion=2", "activation=silu",
+OVERRIDES = ["read=before_write", "read=chunk_start", "dgd=False", "dgd_output=True", "self_targets=False",
+             "adaptive_q=True", "chunk_memory=8", "chunk_other=4", "lr_max=0.25", "expansion=2", "activation=silu",
              "retain_init=0.9", "lr_init=0.3", "conv_size=2", "conv_init=uniform"]
 
 

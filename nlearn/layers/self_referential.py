@@ -61,8 +61,8 @@ class SelfReferentialMixer(nnx.Module):
         self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs)
         self.options = dict(lr_max=mem.lr_max, chunk_memory=mem.chunk_memory, chunk_other=mem.chunk_other,
-                            activation=mem.activation, dgd=mem.dgd, read=mem.read, self_targets=mem.self_targets,
-                            adaptive_q=mem.adaptive_q)
+                            activation=mem.activation, dgd=mem.dgd, dgd_output=mem.dgd_output, read=mem.read,
+                            self_targets=mem.self_targets, adaptive_q=mem.adaptive_q)
 
     def weights0(self) -> dict:
         """`{memory: (W_in [H, D, Dh], W_out [H, Dh, D_out])}`, the op's initial weights."""

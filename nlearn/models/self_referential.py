@@ -35,6 +35,7 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.chunk_other = 64  # tokens per chunk of the generators k, v, lr, retain (one chunk size divides the other)
     c.read = "after_write"  # or "before_write" (eq. 86 literally), "chunk_start" (eq. 90 literally)
     c.dgd = True  # delta-gradient descent on the memories' input layers (False: plain GD with retention)
+    c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
     c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection
     c.lr_max = 0.5  # lr_t = lr_max * retain_t * sigmoid(M_lr(x_t)); <= 1 keeps the DGD factor >= 0
@@ -70,7 +71,7 @@ def validate(config) -> None:
         _fail("read", mem.read, f"valid choices: {', '.join(READS)}")
     if mem.activation not in ACTIVATIONS:
         _fail("activation", mem.activation, f"valid choices: {', '.join(sorted(ACTIVATIONS))}")
-    for key in ("dgd", "self_targets", "adaptive_q"):
+    for key in ("dgd", "dgd_output", "self_targets", "adaptive_q"):
         if not isinstance(mem[key], bool):
             _fail(key, mem[key], "must be True or False")
     if not 0.0 < mem.lr_max <= 1.0:
