@@ -100,6 +100,7 @@ def test_two_pass_step_equals_the_sequential_reference(model, tokens):
         assert not np.array_equal(fast[i], fast[i - 1]), i
 
 
+@pytest.mark.slow  # the self-referential op's pass 1 compiles for minutes on 2 cores
 def test_two_pass_step_with_the_self_referential_mixer():
     """Hope's own mixer, whose state depends on the place in its period (8 tokens: two chunks per
     pass-1 scan step, the last step half past the window); the op's chunks (2 and 8 tokens) cut the
