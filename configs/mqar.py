@@ -68,6 +68,9 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # the self-generated targets (bounded with self_targets=False; not stopped by token-by-token updates, lr_max
     # 0.1, l2-normalised v or `dgd_output`): results/history.md, 2026-12-01. Open.
     "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999},
+    # Hope-Attention (causal attention, then the CMS levels learning in context): Hope's own mixer is the
+    # self-referential op above, whose MQAR runs became nan; the CMS is what this row adds.
+    "hope": {"hope.mixer": "attention"},
 }
 # Per-family training overrides (paths from the config root), for a family the common recipe does
 # not fit. titans_mac attends within 64-token segments, so the common 64-token windows are answered
@@ -123,6 +126,9 @@ FAMILY_TRAINING: dict[str, dict] = {
     "titans_mac": {"data.mqar.curriculum": "64x4:150,128x8:300", "train.steps": 1600,
                    "train.schedule": "wsd", "train.decay_fraction": 0.5, "train.time_budget_s": 570.0},
     "self_ref_titans": {"train.schedule": "wsd", "train.decay_fraction": 0.5, "train.time_budget_s": 570.0},
+    # Hope's two-pass step (pass 1 walks the window in 16-token chunks) costs more than a plain step: as
+    # self_ref_titans, the time budget lowers the WSD total so the run ends decayed within the limit.
+    "hope": {"train.schedule": "wsd", "train.decay_fraction": 0.5, "train.time_budget_s": 570.0},
 }
 
 

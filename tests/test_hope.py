@@ -76,9 +76,9 @@ def sequential_reference(model, tokens):
     return used, jnp.concatenate(logits, axis=1)
 
 
-def test_two_pass_step_equals_the_sequential_reference(model, tokens):
-    """Δ of every chunk and the loss (≤ 1e-5 relative, float32); the slow level moves only at its
-    boundaries (tokens 8 and 16), the fast one at every chunk."""
+def assert_two_pass_equals_reference(model, tokens):
+    """Δ of every chunk and the loss of the two-pass forward against `sequential_reference` (≤ 1e-5
+    relative, float32). Returns pass 1's Δ."""
     used, ref_logits = sequential_reference(model, tokens)
     adapted = jitted(model, "adapt")(tokens)
     for i, ref in enumerate(used):
@@ -87,11 +87,30 @@ def test_two_pass_step_equals_the_sequential_reference(model, tokens):
             assert float(jnp.abs(got - want).max()) <= 1e-5 * scale, f"chunk {i}"
     loss, ref_loss = mean_ntp(jitted(model)(tokens), tokens), mean_ntp(ref_logits, tokens)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    return adapted, len(used)
+
+
+def test_two_pass_step_equals_the_sequential_reference(model, tokens):
+    """The slow level moves only at its boundaries (tokens 8 and 16), the fast one at every chunk."""
+    adapted, n = assert_two_pass_equals_reference(model, tokens)
     slow = np.asarray(adapted[0][1]["gate"])  # block 0, level of period 2C
     fast = np.asarray(adapted[0][0]["gate"])
-    for i in range(1, len(used)):
+    for i in range(1, n):
         assert (not np.array_equal(slow[i], slow[i - 1])) == (i * C % (2 * C) == 0), i
         assert not np.array_equal(fast[i], fast[i - 1]), i
+
+
+@pytest.mark.slow  # the self-referential op's pass 1 compiles for minutes on 2 cores
+def test_two_pass_step_with_the_self_referential_mixer():
+    """Hope's own mixer, whose state depends on the place in its period (8 tokens: two chunks per
+    pass-1 scan step, the last step half past the window); the op's chunks (2 and 8 tokens) cut the
+    CMS chunks. The reference feeds the stream positions as traced values, pass 1 as static ones."""
+    config = small("self_referential")
+    with config.unlocked():
+        config.model.memory.update(chunk_memory=2, chunk_other=2 * C)
+    model = models.build(config)
+    assert model.phases == 2
+    assert_two_pass_equals_reference(model, jax.random.randint(jax.random.key(3), (2, 23), 0, VOCAB))
 
 
 def test_outer_gradient_treats_delta_as_a_constant(model, tokens):

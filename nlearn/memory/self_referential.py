@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from nlearn.memory.chunking import check_positive
@@ -144,7 +145,15 @@ def _check_weights(weights, names, heads: int, dim: int, batch: int | None, what
 def init_state(weights0, batch: int) -> SelfRefTitansState:
     """Fresh stream state: every memory at `weights0` (broadcast to `[B, H, ...]`), position 0."""
     weights = {n: tuple(jnp.broadcast_to(w, (batch,) + w.shape[-3:]) for w in pair) for n, pair in weights0.items()}
-    return SelfRefTitansState(weights, weights, jnp.zeros((), jnp.int32))
+    return SelfRefTitansState(weights, weights, np.zeros((), np.int32))  # numpy: static under jit
+
+
+def _position(pos):
+    """The stream position as int32, left a numpy value when it is one (a position known when tracing lets
+    the chunked form compute only the chunks the tokens touch)."""
+    if isinstance(pos, (int, np.integer, np.ndarray)):
+        return np.asarray(pos, np.int32)
+    return jnp.asarray(pos, jnp.int32)
 
 
 def _as_state(initial_state, weights0, names, batch, heads, dim) -> SelfRefTitansState:
@@ -157,7 +166,7 @@ def _as_state(initial_state, weights0, names, batch, heads, dim) -> SelfRefTitan
         _check_weights(initial_state.weights, names, heads, dim, batch, "initial_state.weights")
         _check_weights(initial_state.start, names, heads, dim, batch, "initial_state.start")
         return SelfRefTitansState(dict(initial_state.weights), dict(initial_state.start),
-                                  jnp.asarray(initial_state.pos, jnp.int32))
+                                  _position(initial_state.pos))
     _check_weights(initial_state, names, heads, dim, batch, "initial_state")
     return init_state(initial_state, batch)
 
@@ -417,12 +426,54 @@ def _static_int(x):
     return None if isinstance(x, jax.core.Tracer) else int(x)
 
 
+def _pieces(p: int, t_len: int, size: int) -> list:
+    """Tokens [p, p + t_len) cut at the multiples of `size`: (slice into the tokens, starts a chunk?)."""
+    out, a = [], p
+    while a < p + t_len:
+        b = min((a // size + 1) * size, p + t_len)
+        out.append((slice(a - p, b - p), a % size == 0))
+        a = b
+    return out
+
+
+def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int):
+    """Tokens at static positions [p, p + t) of one period (x, q [B, H, t, D], p + t <= L): only the chunks
+    they touch, each cut to its tokens; a piece that starts inside a chunk reads the stored chunk-start
+    weights. The padded block with its dead tokens masked computes the same at the cost of the whole period."""
+    weights, starts = dict(state.weights), dict(state.start)
+    gens = [n for n in spec.names if n != "memory"]
+    parts = []
+    for sl, fresh in _pieces(p, x.shape[2], spec.chunk_other):
+        start = {n: weights[n] if fresh else starts[n] for n in gens}
+        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights)
+        weights.update(new)
+        starts.update(start)
+        parts.append(g)
+    gen = {key: jnp.concatenate([g[key] for g in parts], axis=2) for key in ("k", "v", "q", "lr", "beta",
+                                                                           "log_retain")}
+    outs = []
+    for sl, fresh in _pieces(p, x.shape[2], spec.chunk_memory):
+        g = {key: val[:, :, sl] for key, val in gen.items()}
+        start = {"memory": weights["memory"] if fresh else starts["memory"]}
+        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"])
+        weights.update(new)
+        starts.update(start)
+        outs.append(o)
+    return jnp.concatenate(outs, axis=2), weights, starts
+
+
 def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool):
     """Blocks of L = max(chunk sizes) tokens through a rematerialised `lax.scan`; the stream's
     position p puts token 0 at index p of a timeline of whole blocks whose other tokens write nothing."""
     bsz, t_len, heads, dim = x.shape
     size = spec.period
     p = _static_int(state.pos)
+    if p is not None and p % size + t_len <= size and t_len < size:  # inside one period: its chunks only
+        o, weights, starts = _segment(spec, lr_bias, retain_bias, state, jnp.swapaxes(x, 1, 2),
+                                      jnp.swapaxes(q, 1, 2), p % size)
+        pos = np.asarray((p + t_len) % size, np.int32)
+        return jnp.swapaxes(o, 1, 2), SelfRefTitansState(weights, starts if want_start else state.start, pos)
     if p is not None:
         p %= size
         n = -(-(p + t_len) // size)

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 
@@ -144,6 +145,11 @@ class HopeModel(LanguageModel):
             cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), std=cfg.init_std, rngs=rngs)
         self.update = cfg.cms["update"]
         self.chunk = min(cfg.cms.periods)
+        # The self-referential mixer's state depends on the position within its period (attention's does not).
+        self.mixer_period = 1
+        if cfg.hope.mixer == "self_referential":
+            self.mixer_period = max(cfg.memory.chunk_memory, cfg.memory.chunk_other)
+        self.phases = math.lcm(self.chunk, self.mixer_period) // self.chunk  # chunks per pass-1 scan step
 
     def run(self, tokens_BT, caches=None, deltas=None, segmented: bool = False):
         """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period)."""
@@ -175,29 +181,53 @@ class HopeModel(LanguageModel):
 
     def adapt(self, tokens_BT):
         """Pass 1: the `Δ` each chunk of `self.chunk` tokens uses, leaves `[n_chunks, B, ...]`,
-        a constant to the outer loss (the parameters enter under stop_gradient)."""
+        a constant to the outer loss (the parameters enter under stop_gradient).
+
+        A scan step walks `self.phases` chunks, one mixer period, so each chunk's place in the
+        mixer's period is known when tracing and the mixer computes only the chunks it touches."""
         b, t = tokens_BT.shape
-        c = self.chunk
+        c, k = self.chunk, self.phases
         n = -(-t // c)
         graphdef, state = nnx.split(self)
         frozen = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, state))
         delta0 = frozen.zero_delta(b)
         if n == 1:
             return jax.tree.map(lambda d: d[None], delta0)
-        m = (n - 1) * c  # the chunks whose gradients reach a later chunk of this window
-        xs = jnp.swapaxes(tokens_BT[:, :m].reshape(b, n - 1, c), 0, 1)
-        ys = jnp.swapaxes(tokens_BT[:, 1:m + 1].reshape(b, n - 1, c), 0, 1)
+        steps = -(-(n - 1) // k)  # the n - 1 chunks whose gradients reach a later chunk of this window
+        m = (n - 1) * c  # tokens[:, m] is the last target they need
+        padded = jnp.pad(tokens_BT[:, :m + 1], ((0, 0), (0, (steps * k - n + 1) * c)))
+        xs, ys = (jnp.moveaxis(z.reshape(b, steps, k, c), (1, 2), (0, 1))
+                  for z in (padded[:, :-1], padded[:, 1:]))  # [steps, k, B, c]
 
         def body(carry, inp):
-            caches, deltas, gsums = carry
-            i, x, y = inp
-            grads, caches = frozen.chunk_grads(x, y, caches, deltas)
-            deltas, gsums = frozen.learn(deltas, gsums, grads, (i + 1) * c)
-            return (caches, deltas, gsums), deltas
+            s, x, y = inp
+            out = []
+            for j in range(k):
+                def chunk(carry, j=j):
+                    caches, deltas, gsums = carry
+                    grads, caches = frozen.chunk_grads(x[j], y[j], frozen.at_phase(caches, j * c), deltas)
+                    deltas, gsums = frozen.learn(deltas, gsums, grads, (s * k + j + 1) * c)
+                    return caches, deltas, gsums
 
-        caches = frozen.init_mixer_caches(b, m)
-        _, later = jax.lax.scan(body, (caches, delta0, delta0), (jnp.arange(n - 1, dtype=jnp.int32), xs, ys))
+                if (n - 1) % k and j >= (n - 1) % k:  # past the window's last chunk in the last step
+                    carry = jax.lax.cond(s * k + j < n - 1, chunk, lambda cc: cc, carry)
+                else:
+                    carry = chunk(carry)
+                out.append(carry[1])
+            return carry, jax.tree.map(lambda *d: jnp.stack(d), *out)
+
+        caches = frozen.init_mixer_caches(b, steps * k * c)
+        _, later = jax.lax.scan(body, (caches, delta0, delta0), (jnp.arange(steps, dtype=jnp.int32), xs, ys))
+        later = jax.tree.map(lambda d: d.reshape((steps * k,) + d.shape[2:])[:n - 1], later)
         return jax.tree.map(lambda d0, ds: jnp.concatenate([d0[None], ds]), delta0, later)
+
+    def at_phase(self, caches, pos: int):
+        """The mixers' caches told their stream position within a period as a Python int (pass 1
+        knows it), so the self-referential op runs only the chunks a chunk of tokens touches."""
+        if self.mixer_period == 1:
+            return caches
+        return [dict(cache, state=cache["state"]._replace(pos=np.int32(pos % self.mixer_period)))
+                for cache in caches]
 
     def per_period(self, chunk_deltas) -> list:
         """Per-chunk `Δ` -> per level one `Δ` per period (`[N_ℓ, B, ...]`)."""

@@ -457,6 +457,31 @@ def test_stream_split_continues_exactly(split):
         assert rel_err(a, b) <= 1e-5
 
 
+@pytest.mark.parametrize("cfg", [dict(cm=2, co=4),
+                                 pytest.param(dict(cm=4, co=2, read="before_write"), marks=pytest.mark.slow),
+                                 pytest.param(dict(cm=2, co=4, read="chunk_start", aq=True), marks=pytest.mark.slow)],
+                         ids=cfg_id)
+def test_stream_with_static_positions_continues_exactly(cfg):
+    """Pieces shorter than a period at positions known when tracing (the op computes only the chunks they
+    touch, cut at both grids) continue the stream as the whole sequence does."""
+    x, q, w0, lb, rb = make_inputs(13, t_len=11, adaptive_q=cfg.get("aq", False))
+    kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    o, state = sr_fast(x, q, weights0=w0, **kw)
+    st = self_referential_init_state(w0, B)
+    outs, pos = [], 0
+    for size in (3, 1, 2, 3, 2):  # period 4: pieces start and end inside chunks of both grids
+        def piece(x, q, weights, start, pos=pos % 4):
+            init = SelfRefTitansState(weights, start, pos)
+            return self_referential_titans(x, q, initial_state=init, return_stream_state=True, **kw)
+
+        o_p, st = run_fast(piece, x[:, pos:pos + size], q[:, pos:pos + size], st.weights, st.start)
+        outs.append(o_p)
+        pos += size
+    assert rel_err(jnp.concatenate(outs, 1) - q, o - q) <= 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(st.weights), jax.tree_util.tree_leaves(state)):
+        assert rel_err(a, b) <= 1e-5
+
+
 def test_decode_after_chunked_prefill_equals_full_sequence():
     cfg = dict(cm=2, co=4)
     x, q, w0, lb, rb = make_inputs(12, t_len=13)
