@@ -142,14 +142,17 @@ def _set(node, key: str, value) -> None:
     node[name] = value
 
 
+TASK_CONFIGS = ("mqar", "niah")  # configs/ files that are tasks over every family, not families
+
+
 def family_base(family: str):
     """`configs/<family>.py:tiny`, loaded by path (configs/ is not a package)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{family}.py")
-    if not os.path.exists(path) or family == "mqar":
+    if not os.path.exists(path) or family in TASK_CONFIGS:
         from nlearn.errors import UserError
 
         families = sorted(f[:-3] for f in os.listdir(os.path.dirname(path))
-                          if f.endswith(".py") and f != "mqar.py")
+                          if f.endswith(".py") and f[:-3] not in TASK_CONFIGS)
         raise UserError(f"unknown family {family!r} for configs/mqar.py; valid: {', '.join(families)}")
     spec = importlib.util.spec_from_file_location(f"nlearn_config_{family}", path)
     module = importlib.util.module_from_spec(spec)

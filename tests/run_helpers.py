@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Families whose shared per-family tests (causality, decoding, step types) compile for a minute or more on
 # 2 cores (Hope's two-pass CMS step, the self-referential op): they run under `make test-all`; their own
 # test files keep a fast causality / decoding check in the default suite.
-SLOW_FAMILIES = ("hope", "self_ref_titans")
+SLOW_FAMILIES = ("hope", "self_ref_titans", "titans_mac")  # titans_mac: tests/test_titans.py covers it by default
 
 
 def family_params(families) -> list:

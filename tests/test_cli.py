@@ -57,3 +57,18 @@ def test_unknown_inner_optimizer_is_refused_with_valid_choices(tmp_path, cache_d
     proc = run_cli("train", "--config=configs/titans_lmm.py:tiny", f"--workdir={tmp_path}",
                    *tiny_overrides(cache_dir, text_corpus), "--config.model.memory.optimizer=adamq")
     assert_one_line_failure(proc, "model.memory.optimizer", "adamq", "momentum", "sgd")
+
+
+def test_an_override_of_a_key_named_like_a_configdict_method_reaches_the_config(tmp_path, cache_dir, text_corpus):
+    """`model.cms.update` shares its name with `ConfigDict.update`: set through the CLI all the same."""
+    from nlearn.cli.common import _apply_method_key_overrides, _split_method_key_overrides
+    from run_helpers import load_family_config
+
+    argv, held = _split_method_key_overrides(["p", "--config.model.cms.update=none", "--config.train.steps=3"])
+    assert argv == ["p", "--config.train.steps=3"] and held == [("model.cms.update", "none")]
+    config = load_family_config("hope")
+    _apply_method_key_overrides(config, held)
+    assert config.model.cms["update"] == "none"
+    proc = run_cli("train", "--config=configs/hope.py:tiny", f"--workdir={tmp_path}",
+                   *tiny_overrides(cache_dir, text_corpus), "--config.model.cms.update=sgd")
+    assert_one_line_failure(proc, "cms.update", "sgd")

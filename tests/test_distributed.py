@@ -78,7 +78,7 @@ def test_one_process_leaves_jax_distributed_alone(monkeypatch):
     # A coordinator named in the environment but no process count: one line saying what is missing.
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
     config.distributed.num_processes = 0
-    with pytest.raises(UserError, match="Number of processes must be defined.*coordinator=localhost:1"):
+    with pytest.raises(UserError, match="jax.distributed.initialize failed .*coordinator=localhost:1"):
         distributed.initialize(config)
 
 
@@ -100,6 +100,7 @@ PEER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_peers_exchange_and_a_dead_one_is_named():
     """Three bare processes: `exchange` returns every process's payload. Process 2 finishes at once, process 1
     vanishes 3 s later: process 0 stops within timeout_s (2 s) of the death with one line naming process 1

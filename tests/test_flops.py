@@ -31,7 +31,7 @@ def _inverse_64():
 
 def test_deltanet_tiny_by_hand():
     config, params = _tiny("deltanet")
-    d_model, heads, d, mlp, vocab, layers = 256, 4, 64, 704, 8192, 4
+    d_model, heads, d, mlp, vocab, layers = 256, 4, 64, 640, 8192, 4
     dense = layers * (5 * d_model * d_model + d_model * heads + 3 * d_model * mlp) + vocab * d_model  # + tied head
     c = 64  # chunk_size; chunked_scan on CPU, per chunk and head:
     chunk = _mm((c, d, c), (c, d, c),  # K Kᵀ, Q Kᵀ

@@ -34,7 +34,8 @@ def test_every_notebook_has_a_source_and_is_stripped():
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The first notebook runs in the default suite; the other two (~70 s together) under the slow mark.
+@pytest.mark.parametrize("name", NAMES[:1] + [pytest.param(n, marks=pytest.mark.slow) for n in NAMES[1:]])
 def test_notebook_runs(name, cache_dir, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("NLEARN_CACHE", cache_dir)

@@ -155,6 +155,7 @@ def test_a_family_without_a_scanned_form_refuses():
         validate(config)
 
 
+@pytest.mark.slow
 def test_scanned_run_resumes_exactly(tmp_path, cache_dir, text_corpus, capsys):
     """A scanned run checkpointed at step 2 of 4 resumes there and ends where the uninterrupted run did."""
     from nlearn.train import train_and_evaluate

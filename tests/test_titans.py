@@ -163,6 +163,7 @@ def test_causal_and_decoding_equals_full_forward_across_segments(family, minibat
     assert max(sizes) <= bound  # the cache does not grow with the stream
 
 
+@pytest.mark.slow
 def test_mac_in_bfloat16_follows_float32():
     """The trainer's bf16 cast of MAC (the paper's wiring) stays within bf16 rounding of float32:
     ~1% relative RMS error here; a bf16 path that dropped the memory carried between segments is

@@ -201,6 +201,7 @@ def test_migrate_adds_only_the_keys_a_family_has():
     assert all(key.count(".") >= 1 for key, _, _ in MIGRATIONS)
 
 
+@pytest.mark.slow
 def test_sharded_run_matches_single_device(tmp_path, cache_dir, text_corpus, reference_run):
     """8 host devices as data=2 x fsdp=2 x tensor=2 give the single-device eval loss."""
     cmd = _train_cmd(tmp_path, cache_dir, text_corpus, **{

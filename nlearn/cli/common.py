@@ -27,13 +27,57 @@ def _check_config_files(argv) -> None:
                 fail(f"config file not found: {path}")
 
 
+# Config keys that share a name with a ConfigDict method (`model.cms.update`): ml_collections' flag parser
+# resolves `--config.a.update=x` to the bound method and refuses it, so these overrides are applied here.
+_METHOD_KEYS = ("update",)
+
+
+def _split_method_key_overrides(argv):
+    """`(argv without them, [(dotted path, raw value)])` for overrides whose last key is a ConfigDict method."""
+    kept, held = [], []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if arg.startswith("--config.") and eq and name.rsplit(".", 1)[-1] in _METHOD_KEYS:
+            held.append((name[len("--config."):], value))
+        else:
+            kept.append(arg)
+    return kept, held
+
+
+def _apply_method_key_overrides(config, held) -> None:
+    """Set each held override by item access (`node["update"] = value`), parsed as the value it replaces."""
+    import ast
+
+    for path, raw in held:
+        *parents, key = path.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        if key not in node:
+            raise KeyError(path)
+        old = node[key]
+        if isinstance(old, str):
+            node[key] = raw
+        else:
+            try:
+                node[key] = type(old)(ast.literal_eval(raw))
+            except (ValueError, SyntaxError, TypeError) as e:
+                raise UserError(f"--config.{path}={raw}: not a {type(old).__name__} ({e})") from None
+
+
 def parse_flags(argv):
     """absl flag parsing whose errors (unknown override keys, missing config files) are one line."""
     _check_config_files(argv)
+    argv, held = _split_method_key_overrides(argv)
+    # The config flag reads its overrides from sys.argv itself, so they leave sys.argv too.
+    sys.argv[:] = _split_method_key_overrides(sys.argv)[0]
     try:
         parsed = flags.FLAGS(argv)
         if "config" in flags.FLAGS and flags.FLAGS["config"].present:
-            flags.FLAGS.config  # loads the file now: its errors surface here, not mid-run
+            _apply_method_key_overrides(flags.FLAGS.config, held)  # also loads the file now: its errors
+            # surface here, not mid-run
+        elif held:
+            fail(f"--config.{held[0][0]} needs --config")
         return parsed
     except flags.Error as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -25,7 +25,7 @@ def presets():
 
 def families():
     return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
-                  if f.endswith(".py") and f != "mqar.py")
+                  if f.endswith(".py") and f not in ("mqar.py", "niah.py"))
 
 
 def lookup(config, key: str):

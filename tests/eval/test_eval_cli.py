@@ -37,6 +37,7 @@ def test_unknown_task_fails_in_one_line_naming_the_choices(tmp_path):
     assert len(errors) == 1 and "needles" in errors[0] and "niah" in errors[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_niah_through_the_cli(tmp_path, haystack_config):
     """A tiny untrained checkpoint of a niah-trained config: the sweep's JSON line and its records."""
     workdir = make_run(haystack_config(source="niah", **{"niah.min_len": 384}), str(tmp_path / "niah"))

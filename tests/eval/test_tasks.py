@@ -10,6 +10,7 @@ from nlearn.eval.tasks import mqar as mqar_task
 from nlearn.train.state import make_setup
 
 
+@pytest.mark.slow
 def test_babilong_task(haystack_config):
     config = haystack_config(source="babilong")
     graphdef, params = split_model(config)
