@@ -231,10 +231,10 @@ def test_ctrl_c_stops_every_process_at_one_step_with_a_checkpoint(tmp_path, cach
 FAKE_WORKER = textwrap.dedent("""
     import signal, sys, time
     index = int(next(a for a in sys.argv if "distributed.process_id=" in a).split("=")[1])
-    print("ready", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(0)))
+    print("ready", flush=True)  # after the handler: the test signals as soon as it reads this
     if sys.argv[1] == "fail" and index == 1:
         sys.exit(5)
-    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(0)))
     time.sleep(120)
 """)
 
