@@ -17,7 +17,7 @@ norm carry most of the sensitivity.
 
 Regenerate (deliberately: after a change of a default, init or wiring that is meant; review the
 diff of the JSON):
-    NLEARN_UPDATE_GOLDEN=1 pytest tests/test_golden.py
+    NLEARN_UPDATE_GOLDEN=1 pytest -m 'slow or not slow' tests/test_golden.py
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import pytest
 from nlearn import models
 from nlearn.train.state import make_setup
 from nlearn.train.step import logits_of, make_train_step
+from run_helpers import family_params
 
 GOLDEN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
 UPDATE = os.environ.get("NLEARN_UPDATE_GOLDEN") == "1"
@@ -89,14 +90,14 @@ def _load() -> dict:
         return json.load(f)["families"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_params(FAMILIES))  # the slow families under make test-all
 def test_one_step_matches_golden(family):
     values = one_step_values(family)
     if UPDATE:
         golden = {k: v for k, v in _load().items() if k in FAMILIES}  # families since removed go
         golden[family] = values
         with open(GOLDEN_PATH, "w") as f:
-            json.dump({"regenerate": "NLEARN_UPDATE_GOLDEN=1 pytest tests/test_golden.py",
+            json.dump({"regenerate": "NLEARN_UPDATE_GOLDEN=1 pytest -m 'slow or not slow' tests/test_golden.py",
                        "setting": {"preset": "tiny", "num_layers": NUM_LAYERS, "batch": BATCH, "seq_len": SEQ_LEN,
                                    "seed": SEED}, "jax": jax.__version__,
                        "backend": jax.default_backend(), "families": dict(sorted(golden.items()))}, f, indent=1)
@@ -104,7 +105,7 @@ def test_one_step_matches_golden(family):
         return
     golden = _load()
     assert family in golden, (f"family {family!r} has no golden values in {os.path.basename(GOLDEN_PATH)}; "
-                              "add them with NLEARN_UPDATE_GOLDEN=1 pytest tests/test_golden.py")
+                              "add them with NLEARN_UPDATE_GOLDEN=1 pytest -m 'slow or not slow' tests/test_golden.py")
     expected = golden[family]
     # The mean and the projection may sit near 0: their tolerance scales with the logits' RMS.
     scale = {k: abs(expected["logits_rms"]) for k in ("logits_mean", "logits_proj")}
