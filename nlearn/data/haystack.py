@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections.abc
 import functools
-import operator
 import re
 from typing import Callable, Optional, Sequence
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from nlearn.data import cache, sources
 from nlearn.data.corpus import Corpus
+from nlearn.data.mqar import example_index
 from nlearn.data.tokenizer import PAD_ID, Tokenizer
 from nlearn.errors import UserError
 
@@ -134,11 +134,7 @@ class QAExamples(collections.abc.Sequence):
         return self.num_examples
 
     def __getitem__(self, index) -> dict[str, np.ndarray]:
-        i = operator.index(index)
-        if i < 0:
-            i += self.num_examples
-        if not 0 <= i < self.num_examples:
-            raise IndexError(f"example {index} out of range [0, {self.num_examples})")
+        i = example_index(index, self.num_examples)
         rng = np.random.default_rng([self.tag, self.stream, self.seed, i])
         prompt, answer = self.make(rng)
         return qa_window(prompt, answer, self.eos_id, self.length + 1)

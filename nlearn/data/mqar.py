@@ -129,6 +129,16 @@ def mqar_example(rng: np.random.Generator, *, seq_len: int, num_pairs: int, voca
     return tokens, weights
 
 
+
+def example_index(index, num_examples: int, what: str = "example") -> int:
+    """`index` as a non-negative int below `num_examples` (negative counts from the end), else IndexError."""
+    i = operator.index(index)
+    if i < 0:
+        i += num_examples
+    if not 0 <= i < num_examples:
+        raise IndexError(f"{what} {index} out of range [0, {num_examples})")
+    return i
+
 class MqarExamples(collections.abc.Sequence):
     """Random-access (grain-compatible, picklable) sequence of `num_examples` MQAR records
     {"tokens", "weights"}; record i is generated from SeedSequence([tag, stream, seed, i])."""
@@ -149,11 +159,7 @@ class MqarExamples(collections.abc.Sequence):
         return self.num_examples
 
     def __getitem__(self, index) -> dict[str, np.ndarray]:
-        i = operator.index(index)
-        if i < 0:
-            i += self.num_examples
-        if not 0 <= i < self.num_examples:
-            raise IndexError(f"MQAR example {index} out of range [0, {self.num_examples})")
+        i = example_index(index, self.num_examples, "MQAR example")
         rng = np.random.default_rng([_SEED_TAG, self.stream, self.seed, i])
         tokens, weights = mqar_example(rng, **self.kwargs)
         return {"tokens": tokens, "weights": weights}
