@@ -62,12 +62,13 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
     # Stronger writes than the LM default from the start (lr_t ~ 0.25 against 0.05) and little forgetting
     # (retain 0.999: ~78% of a write left 250 tokens on, against 8% with the LM default 0.99), as titans_lmm's
-    # max_lr and titans_mac's decay_init. Not yet shown to reach 95%: runs became nan at step ~160, just after
-    # the loss left the plateau. The first layer's `memory` (fast weights, both layers) grows ~10x per 16-token
-    # chunk at the step-140 parameters, hidden from the loss by the output RMSNorm until it overflows. It is
-    # the self-generated targets (bounded with self_targets=False; not stopped by token-by-token updates, lr_max
-    # 0.1, l2-normalised v or `dgd_output`): results/history.md, 2026-12-01. Open.
-    "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999},
+    # max_lr and titans_mac's decay_init. With HOPE.md's targets and output step, runs became nan at step ~160,
+    # just after the loss left the plateau: the first layer's `memory` grew ~10x per 16-token chunk (2.4e5 after
+    # 64 tokens at the step-140 parameters), hidden by the output RMSNorm until it overflowed. Two causes, each
+    # needing its fix (same parameters, norms after 64 tokens): targets from the initial weights alone 1e4,
+    # `dgd_output` alone inf, both together 7.8 / 3.9, bounded. results/history.md, 2026-12-01.
+    "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999,
+                        "memory.targets": "initial", "memory.dgd_output": True, "memory.inner_step": "normalized"},
     # Hope-Attention (causal attention, then the CMS levels learning in context): Hope's own mixer is the
     # self-referential op above, whose MQAR runs became nan; the CMS is what this row adds.
     "hope": {"hope.mixer": "attention"},

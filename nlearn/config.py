@@ -136,6 +136,8 @@ MIGRATIONS = (
     ("model.mal_attn_input", "x+m", lambda c: c.model.family == "titans_mal"),
     ("mesh.sequence", 1, None),
     ("model.memory.dgd_output", False, lambda c: c.model.family in ("self_ref_titans", "hope")),
+    ("model.memory.targets", "chunk", lambda c: c.model.family in ("self_ref_titans", "hope")),
+    ("model.memory.inner_step", "plain", lambda c: c.model.family in ("self_ref_titans", "hope")),
 )
 
 # Families whose mixers split a sequence over `mesh.sequence` devices: attention (all-gathered K/V) and

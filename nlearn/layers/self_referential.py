@@ -62,7 +62,8 @@ class SelfReferentialMixer(nnx.Module):
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs)
         self.options = dict(lr_max=mem.lr_max, chunk_memory=mem.chunk_memory, chunk_other=mem.chunk_other,
                             activation=mem.activation, dgd=mem.dgd, dgd_output=mem.dgd_output, read=mem.read,
-                            self_targets=mem.self_targets, adaptive_q=mem.adaptive_q)
+                            self_targets=mem.self_targets, adaptive_q=mem.adaptive_q, targets=mem.targets,
+                            inner_step=mem.inner_step)
 
     def weights0(self) -> dict:
         """`{memory: (W_in [H, D, Dh], W_out [H, Dh, D_out])}`, the op's initial weights."""
@@ -94,11 +95,12 @@ class SelfReferentialMixer(nnx.Module):
         if state is None:  # training: the whole window from the learned initial weights
             return self_referential_titans(x, q, weights0=self.weights0(), **self._biases(), **self.options)[0]
         if x.shape[1] == 1:  # decoding one token
-            o, state = self_referential_titans_step(x[:, 0], q[:, 0], state=state, **self._biases(), **self.options)
+            o, state = self_referential_titans_step(x[:, 0], q[:, 0], state=state, weights0=self.weights0(),
+                                                    **self._biases(), **self.options)
             return o[:, None], state
         # A prompt (or a stream resumed anywhere): the chunked form from the stream state.
-        return self_referential_titans(x, q, initial_state=state, return_stream_state=True, **self._biases(),
-                                       **self.options)
+        return self_referential_titans(x, q, weights0=self.weights0(), initial_state=state, return_stream_state=True,
+                                       **self._biases(), **self.options)
 
     def __call__(self, x_BTD, cache=None):
         b, t, _ = x_BTD.shape

@@ -28,6 +28,19 @@ start state, so without it the output layers' steps add up over a chunk (about C
 repeated h, unbounded); with it the sequential factor (retain − lr|h|²) keeps the accumulated move
 along h near the error, as DGD does for the input layer along k (for lr·|h|² ≤ 1 + retain).
 
+`targets="initial"` (choice; HOPE.md's targets are `"chunk"`): v̂_□,t = M_□[θ_□,0](v_t) from the memory's
+meta-learned initial weights, a target network that never moves inside the sequence. With the chunk-start
+targets each write also moves its own target, so the error map is not a contraction (as TD learning with a
+learned target) and trained generators drive the fast weights to overflow within tens of tokens; with fixed
+targets every write is a plain regression step toward them.
+
+`inner_step="normalized"` (choice; HOPE.md's steps are `"plain"`): normalised steps, so a write cannot
+amplify. The input layers' keys k are unit vectors, so DGD's factor retain − lr|k|² stays in [0, 1], but the
+curvature along k of the loss through the output layer is |k|²·‖W_out‖²·act'², and the output layers' key h is
+not normalised: once the weights grow, either step turns into an amplifier within a chunk. Normalised, the
+input layers' gradient term is divided by 1 + ‖W^c_out‖²_F and the output layers write with lr_t / (1 + ‖h_t‖²)
+(the normalised LMS step).
+
 `adaptive_q` (choice): the q memory adapts the layer's static query, q_t = l2norm(M_q[θ^c_q](q_in_t)),
 so the projection x W_q stays the input and the memory only learns a residual correction in context.
 """
@@ -52,6 +65,8 @@ HIGHEST = lax.Precision.HIGHEST
 GENERATORS = ("k", "v", "lr", "retain")
 SCALAR_MEMORIES = ("lr", "retain")
 READS = ("after_write", "before_write", "chunk_start")
+TARGETS = ("chunk", "initial")
+INNER_STEPS = ("plain", "normalized")
 IMPLS = ("chunked", "recurrent")
 L2_EPS = 1e-6
 
@@ -77,6 +92,8 @@ class _Spec:
     dgd_output: bool
     read: str
     self_targets: bool
+    targets: str
+    inner_step: str
     adaptive_q: bool
     precision: object
 
@@ -91,7 +108,7 @@ def memory_names(adaptive_q: bool = False) -> tuple:
 
 
 def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, self_targets, adaptive_q, lr_max,
-               precision) -> _Spec:
+               precision, targets="chunk", inner_step="plain") -> _Spec:
     check_positive("chunk_memory", chunk_memory)
     check_positive("chunk_other", chunk_other)
     if max(chunk_memory, chunk_other) % min(chunk_memory, chunk_other):
@@ -100,10 +117,14 @@ def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, 
         raise ValueError(f"unknown activation {activation!r}; valid activations: {sorted(ACTIVATIONS)}")
     if read not in READS:
         raise ValueError(f"unknown read {read!r}; valid reads: {list(READS)}")
+    if targets not in TARGETS:
+        raise ValueError(f"unknown targets {targets!r}; valid targets: {list(TARGETS)}")
+    if inner_step not in INNER_STEPS:
+        raise ValueError(f"unknown inner_step {inner_step!r}; valid inner steps: {list(INNER_STEPS)}")
     if isinstance(lr_max, (int, float)) and not lr_max > 0:
         raise ValueError(f"lr_max must be positive, got {lr_max!r}")
     return _Spec(ACTIVATIONS[activation], memory_names(adaptive_q), chunk_memory, chunk_other, lr_max, bool(dgd),
-                 bool(dgd_output), read, bool(self_targets), bool(adaptive_q), precision)
+                 bool(dgd_output), read, bool(self_targets), targets, inner_step, bool(adaptive_q), precision)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +192,16 @@ def _as_state(initial_state, weights0, names, batch, heads, dim) -> SelfRefTitan
     return init_state(initial_state, batch)
 
 
+def _target_weights(spec: _Spec, weights0, heads: int, dim: int, dt):
+    """The fixed weights the targets come from with `targets="initial"` (else None)."""
+    if spec.targets != "initial":
+        return None
+    if weights0 is None:
+        raise ValueError("targets='initial' takes the targets from weights0: pass weights0")
+    _check_weights(weights0, spec.names, heads, dim, None)
+    return {n: tuple(w.astype(dt) for w in weights0[n]) for n in spec.names}
+
+
 def _cast_state(state: SelfRefTitansState, dt) -> SelfRefTitansState:
     cast = lambda ws: {n: tuple(w.astype(dt) for w in p) for n, p in ws.items()}  # noqa: E731
     return SelfRefTitansState(cast(state.weights), cast(state.start), state.pos)
@@ -219,26 +250,39 @@ def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias):
     return dict(k=k, v=out["v"], q=q, log_retain=log_retain, retain=retain, beta=beta, lr=beta * retain)
 
 
-def _errors(spec: _Spec, names, start, k, v):
+def _errors(spec: _Spec, names, start, k, v, target0=None):
     """Per memory at its chunk-start state: h = act(k W_in), the output error e = M_□(k) − v̂_□ and the
-    back-propagated δ = (e W_outᵀ) ⊙ act'(k W_in), so the gradients are hᵀe and kᵀδ. Keys and values
-    go through the stacked input layers of all `names` in one matmul."""
+    back-propagated δ = (e W_outᵀ) ⊙ act'(k W_in), so the gradients are hᵀe and kᵀδ. The targets v̂ come
+    from the same states (keys and values then go through the stacked input layers of all `names` in one
+    matmul) or, with target0 (`targets="initial"`), from the initial weights."""
     c = k.shape[-2]
-    kv = jnp.concatenate([k, v], axis=-2)
-    z = _mm(spec, kv, jnp.concatenate([start[n][0] for n in names], axis=-1))
-    h, dh = jax.jvp(spec.act, (z,), (jnp.ones_like(z),))
     widths = [start[n][0].shape[-1] for n in names]
+    keys = k if target0 is not None else jnp.concatenate([k, v], axis=-2)
+    z = _mm(spec, keys, jnp.concatenate([start[n][0] for n in names], axis=-1))
+    h, dh = jax.jvp(spec.act, (z,), (jnp.ones_like(z),))
+    if target0 is not None:
+        h_targets = _split_columns(spec.act(_mm(spec, v, jnp.concatenate([target0[n][0] for n in names], -1))),
+                                   widths)
     out = {}
-    for n, hn, dn in zip(names, _split_columns(h, widths), _split_columns(dh, widths)):
+    for i, (n, hn, dn) in enumerate(zip(names, _split_columns(h, widths), _split_columns(dh, widths))):
         w_out = start[n][1]
-        y = _mm(spec, hn, w_out)  # [.., 2C, D_out]: at the keys, then at the values
+        y = _mm(spec, hn, w_out)  # [.., C or 2C, D_out]: at the keys (then at the values)
+        y_v = y[..., c:, :] if target0 is None else _mm(spec, h_targets[i], target0[n][1])
         if n in SCALAR_MEMORIES:
             # The bias cancels in e = M(k) − M(v); the target is the memory's own output at v.
-            e = y[..., :c, :] - y[..., c:, :]
+            e = y[..., :c, :] - y_v
         else:
-            e = y[..., :c, :] + k - ((v + y[..., c:, :]) if spec.self_targets else v)
-        out[n] = (hn[..., :c, :], e, _mm(spec, e, jnp.swapaxes(w_out, -1, -2)) * dn[..., :c, :])
+            e = y[..., :c, :] + k - ((v + y_v) if spec.self_targets else v)
+        delta = _mm(spec, e, jnp.swapaxes(w_out, -1, -2)) * dn[..., :c, :]
+        if spec.inner_step == "normalized":
+            delta = delta / (1.0 + jnp.sum(w_out * w_out, axis=(-2, -1)))[..., None, None]
+        out[n] = (hn[..., :c, :], e, delta)
     return out
+
+
+def _output_lr_scale(spec: _Spec, h):
+    """The output layers' lr factor per token: 1 (plain) or 1 / (1 + ‖h‖²) (normalized), h [.., C, Dh]."""
+    return None if spec.inner_step == "plain" else 1.0 / (1.0 + jnp.sum(h * h, axis=-1))
 
 
 def _bias(name, lr_bias, retain_bias):
@@ -249,7 +293,7 @@ def _bias(name, lr_bias, retain_bias):
 # Recurrent form: one token at a time (the reference and the decode step)
 
 
-def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t):
+def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t, target0=None):
     """One token for all (batch, head): x_t, q_t [B, H, D]. Returns (o_t [B, H, D], new state)."""
     pos = state.pos
     fresh = {n: (pos % (spec.chunk_memory if n == "memory" else spec.chunk_other)) == 0 for n in spec.names}
@@ -260,22 +304,24 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
     k, lr, retain = g["k"], g["lr"][..., None], g["retain"][..., None]  # gates [B, H, 1, 1]
     k_col = jnp.swapaxes(k, -1, -2)  # [B, H, D, 1]
     new = {}
-    pieces = _errors(spec, spec.names, start, k, g["v"])
+    pieces = _errors(spec, spec.names, start, k, g["v"], target0)
     for n in spec.names:
         h, e, delta = pieces[n]
         w_in, w_out = state.weights[n]
         step_in = delta + _mm(spec, k, w_in) if spec.dgd else delta
         step_out = e + _mm(spec, h, w_out) if spec.dgd_output else e
+        scale = _output_lr_scale(spec, h)
+        lr_out = lr if scale is None else lr * scale[..., None]
         new[n] = (retain * w_in - lr * _mm(spec, k_col, step_in),
-                  retain * w_out - lr * _mm(spec, jnp.swapaxes(h, -1, -2), step_out))
+                  retain * w_out - lr_out * _mm(spec, jnp.swapaxes(h, -1, -2), step_out))
     read_state = {"after_write": new, "before_write": state.weights, "chunk_start": start}[spec.read]["memory"]
     o = _apply(spec, read_state, g["q"])[..., 0, :]
     return o, SelfRefTitansState(new, start, (pos + 1) % spec.period)
 
 
-def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q):
+def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q, target0=None):
     def body(st, xs):
-        o, st = _token_step(spec, lr_bias, retain_bias, st, *xs)
+        o, st = _token_step(spec, lr_bias, retain_bias, st, *xs, target0=target0)
         return st, o
 
     state, o = _sqrt_scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(q, 1, 0)))
@@ -342,11 +388,11 @@ def _layer_values(spec: _Spec, g, dec: _Decay, s, keys, grad, dgd: bool):
     return _mm(spec, tinv, rhs - _mm(spec, (beta * dec.eg)[..., None] * k, s))
 
 
-def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None):
+def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None, target0=None):
     """Chunk-end weights of `names` from the errors at their chunk-start states (the DGD solve shared
     by all their input layers) and, with q, the memory's read o_t = q_t + act(q_t W_in) W_out at the
     `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention."""
-    pieces = _errors(spec, names, start, g["k"], g["v"])
+    pieces = _errors(spec, names, start, g["k"], g["v"], target0)
     u_in = _layer_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1), g["k"],
                          jnp.concatenate([pieces[n][2] for n in names], axis=-1), spec.dgd)
     new, out, col = {}, None, 0
@@ -360,7 +406,9 @@ def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None):
         hq = None
         if reads:
             hq = spec.act(zq if per_token else _mm(spec, q, start[n][0]))
-        u_out = _layer_values(spec, g, dec, cur[n][1], h, e, spec.dgd_output)
+        scale = _output_lr_scale(spec, h)
+        g_out = g if scale is None else dict(g, lr=g["lr"] * scale, beta=g["beta"] * scale)
+        u_out = _layer_values(spec, g_out, dec, cur[n][1], h, e, spec.dgd_output)
         w_out, yo = _decayed_memory(spec, dec, cur[n][1], h, u_out, hq if per_token else None)
         if reads:
             out = q + (yo if per_token else _mm(spec, hq, start[n][1]))
@@ -368,7 +416,7 @@ def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None):
     return new, out
 
 
-def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
+def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, target0=None):
     """One period of L = max(chunk sizes) tokens: the generators' chunks, then the memory's.
 
     carry: (current weights, the chunk-start weights of the last chunk holding a live token, or None).
@@ -403,7 +451,7 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
             on = live[sl]
             g.update(lr=jnp.where(on, g["lr"], 0.0), beta=jnp.where(on, g["beta"], 0.0),
                      log_retain=jnp.where(on, g["log_retain"], 0.0))
-        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights)
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, target0=target0)
         weights.update(new)
         record(gens, start, sl)
         parts.append(g)
@@ -415,7 +463,8 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None):
         sl = slice(i * size, (i + 1) * size)
         g = {key: val[:, :, sl] for key, val in gen.items()}
         start = starts(["memory"], i, size)
-        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"])
+        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"],
+                              target0=target0)
         weights.update(new)
         record(["memory"], start, sl)
         outs.append(o)
@@ -436,7 +485,7 @@ def _pieces(p: int, t_len: int, size: int) -> list:
     return out
 
 
-def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int):
+def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int, target0=None):
     """Tokens at static positions [p, p + t) of one period (x, q [B, H, t, D], p + t <= L): only the chunks
     they touch, each cut to its tokens; a piece that starts inside a chunk reads the stored chunk-start
     weights. The padded block with its dead tokens masked computes the same at the cost of the whole period."""
@@ -446,7 +495,7 @@ def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     for sl, fresh in _pieces(p, x.shape[2], spec.chunk_other):
         start = {n: weights[n] if fresh else starts[n] for n in gens}
         g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
-        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights)
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, target0=target0)
         weights.update(new)
         starts.update(start)
         parts.append(g)
@@ -456,14 +505,15 @@ def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     for sl, fresh in _pieces(p, x.shape[2], spec.chunk_memory):
         g = {key: val[:, :, sl] for key, val in gen.items()}
         start = {"memory": weights["memory"] if fresh else starts["memory"]}
-        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"])
+        new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"],
+                              target0=target0)
         weights.update(new)
         starts.update(start)
         outs.append(o)
     return jnp.concatenate(outs, axis=2), weights, starts
 
 
-def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool):
+def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool, target0=None):
     """Blocks of L = max(chunk sizes) tokens through a rematerialised `lax.scan`; the stream's
     position p puts token 0 at index p of a timeline of whole blocks whose other tokens write nothing."""
     bsz, t_len, heads, dim = x.shape
@@ -471,7 +521,7 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     p = _static_int(state.pos)
     if p is not None and p % size + t_len <= size and t_len < size:  # inside one period: its chunks only
         o, weights, starts = _segment(spec, lr_bias, retain_bias, state, jnp.swapaxes(x, 1, 2),
-                                      jnp.swapaxes(q, 1, 2), p % size)
+                                      jnp.swapaxes(q, 1, 2), p % size, target0)
         pos = np.asarray((p + t_len) % size, np.int32)
         return jnp.swapaxes(o, 1, 2), SelfRefTitansState(weights, starts if want_start else state.start, pos)
     if p is not None:
@@ -499,11 +549,12 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     outs = []
     first = 0
     if not (isinstance(p, int) and p == 0):
-        carry, o0 = _block(spec, lr_bias, retain_bias, carry, tmap(lambda z: z[0], xs), resume=(state.start, p))
+        carry, o0 = _block(spec, lr_bias, retain_bias, carry, tmap(lambda z: z[0], xs), resume=(state.start, p),
+                           target0=target0)
         outs.append(o0[None])
         first = 1
     if n > first:
-        step = jax.checkpoint(lambda c, z: _block(spec, lr_bias, retain_bias, c, z))
+        step = jax.checkpoint(lambda c, z: _block(spec, lr_bias, retain_bias, c, z, target0=target0))
         carry, o = lax.scan(step, carry, tmap(lambda z: z[first:], xs))
         outs.append(o)
     o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [n, B, H, L, D]
@@ -521,7 +572,8 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
 def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max, chunk_memory: int = 16,
                             chunk_other: int = 64, activation: str = "gelu", dgd: bool = True,
                             dgd_output: bool = False, read: str = "after_write", self_targets: bool = True,
-                            adaptive_q: bool = False, initial_state=None, impl: str = "chunked", precision=HIGHEST,
+                            adaptive_q: bool = False, targets: str = "chunk", inner_step: str = "plain",
+                            initial_state=None, impl: str = "chunked", precision=HIGHEST,
                             return_stream_state: bool = False):
     """Run self-referential Titans over a sequence.
 
@@ -529,6 +581,9 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     weights0: `{name: (W_in [H, D, Dh], W_out [H, Dh, D_out])}` for `memory_names(adaptive_q)`
       (`D_out` = D, or 1 for lr and retain; a leading B is allowed); lr_bias, retain_bias: [H].
     dgd_output: DGD on the output layers too (see the module docstring; off as in HOPE.md).
+    targets: "chunk" (HOPE.md: v̂ from each memory's chunk-start state) or "initial" (v̂ from weights0,
+      which must then be given, also with initial_state; see the module docstring).
+    inner_step: "plain" (HOPE.md) or "normalized" (see the module docstring).
     initial_state: a weights dict like the returned state (continues a stream split on a chunk
       boundary of both grids) or a `SelfRefTitansState` (resumes anywhere).
     Returns `(o [B, T, H, D], state)`: the final weights `{name: (W_in, W_out)}` as `[B, H, ...]`,
@@ -536,7 +591,7 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     """
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
                       dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
-                      lr_max=lr_max, precision=precision)
+                      lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step)
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
     _check_inputs(x, q, lr_bias, retain_bias)
@@ -546,12 +601,13 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     x, q = x.astype(dt), q.astype(dt)
     lr_bias, retain_bias = jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt)
     state = _cast_state(state, dt)
+    target0 = _target_weights(spec, weights0, heads, dim, dt)
     if t_len == 0:
         o = jnp.zeros(x.shape, dt)
     elif impl == "recurrent":
-        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q)
+        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q, target0)
     else:
-        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state)
+        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state, target0=target0)
     o = o.astype(out_dtype)
     return o, (state if return_stream_state else state.weights)
 
@@ -559,14 +615,15 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
 def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias, retain_bias, lr_max,
                                  chunk_memory: int = 16, chunk_other: int = 64, activation: str = "gelu",
                                  dgd: bool = True, dgd_output: bool = False, read: str = "after_write",
-                                 self_targets: bool = True,
-                                 adaptive_q: bool = False, precision=HIGHEST):
+                                 self_targets: bool = True, adaptive_q: bool = False, targets: str = "chunk",
+                                 inner_step: str = "plain", weights0=None, precision=HIGHEST):
     """Decode one token: x_t, q_t [B, H, D]; `state` from `init_state` or
-    `self_referential_titans(..., return_stream_state=True)`. Returns `(o_t [B, H, D], state)`;
-    steps equal the full sequence across chunk boundaries of both grids."""
+    `self_referential_titans(..., return_stream_state=True)`; weights0 as there (needed by
+    `targets="initial"`). Returns `(o_t [B, H, D], state)`; steps equal the full sequence across chunk
+    boundaries of both grids."""
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
                       dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
-                      lr_max=lr_max, precision=precision)
+                      lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step)
     if x_t.ndim != 3:
         raise ValueError(f"x_t must have shape [B, H, D], got shape {tuple(x_t.shape)}")
     _check_inputs(x_t[:, None], q_t[:, None] if q_t.ndim == 3 else q_t, lr_bias, retain_bias)
@@ -577,7 +634,7 @@ def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias
     out_dtype, dt = x_t.dtype, jnp.promote_types(x_t.dtype, jnp.float32)
     state = _cast_state(state, dt)
     o, state = _token_step(spec, jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt), state,
-                           x_t.astype(dt), q_t.astype(dt))
+                           x_t.astype(dt), q_t.astype(dt), _target_weights(spec, weights0, heads, dim, dt))
     return o.astype(out_dtype), state
 
 

@@ -37,6 +37,8 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.dgd = True  # delta-gradient descent on the memories' input layers (False: plain GD with retention)
     c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
+    c.targets = "chunk"  # v̂ from each memory's chunk-start state; "initial": from its initial weights (stable)
+    c.inner_step = "plain"  # HOPE.md's steps; "normalized": bounded input and output steps (stable)
     c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection
     c.lr_max = 0.5  # lr_t = lr_max * retain_t * sigmoid(M_lr(x_t)); <= 1 keeps the DGD factor >= 0
     c.expansion = 4  # hidden width of every memory MLP / head_dim
@@ -58,7 +60,7 @@ def _is_int(value) -> bool:
 def validate(config) -> None:
     """Refuse what the op or the layer cannot run, before anything is built."""
     from nlearn.memory.neural_memory import ACTIVATIONS
-    from nlearn.memory.self_referential import READS
+    from nlearn.memory.self_referential import INNER_STEPS, READS, TARGETS
 
     mem = config.model.memory
     for key, low in (("chunk_memory", 1), ("chunk_other", 1), ("expansion", 1), ("conv_size", 0)):
@@ -69,6 +71,10 @@ def validate(config) -> None:
               "divide the other")
     if mem.read not in READS:
         _fail("read", mem.read, f"valid choices: {', '.join(READS)}")
+    if mem.targets not in TARGETS:
+        _fail("targets", mem.targets, f"valid choices: {', '.join(TARGETS)}")
+    if mem.inner_step not in INNER_STEPS:
+        _fail("inner_step", mem.inner_step, f"valid choices: {', '.join(INNER_STEPS)}")
     if mem.activation not in ACTIVATIONS:
         _fail("activation", mem.activation, f"valid choices: {', '.join(sorted(ACTIVATIONS))}")
     for key in ("dgd", "dgd_output", "self_targets", "adaptive_q"):

@@ -86,14 +86,15 @@ def dgd_write(cur, k, grad, lr, retain, dgd=True):
 
 
 def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memory, chunk_other, activation="gelu",
-              dgd=True, dgd_output=False, read="after_write", self_targets=True, adaptive_q=False):
+              dgd=True, dgd_output=False, read="after_write", self_targets=True, adaptive_q=False, targets="chunk",
+              inner_step="plain"):
     """o [B, T, H, D] and the final weights; call it under `jax.enable_x64(True)` with float64 inputs."""
     f, df = _act(activation)
     bsz, t_len = x.shape[:2]
     names = ("k", "v", "lr", "retain") + (("q",) if adaptive_q else ()) + ("memory",)
     bias = {"lr": lr_bias, "retain": retain_bias}
     weights = {n: tuple(jnp.broadcast_to(w, (bsz,) + w.shape) for w in weights0[n]) for n in names}
-    start, outs = {}, []
+    initial, start, outs = dict(weights), {}, []
     for t in range(t_len):
         for n in names:
             if t % (chunk_memory if n == "memory" else chunk_other) == 0:
@@ -104,14 +105,18 @@ def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memo
         for n in names:
             w_in, w_out = start[n]
             z = EIN("bhd,bhdf->bhf", k, w_in)
-            target = _mem(n, start[n], v, bias, f) if (self_targets or n in SCALAR) else v
+            source = initial[n] if targets == "initial" else start[n]  # the state v̂ comes from
+            target = _mem(n, source, v, bias, f) if (self_targets or n in SCALAR) else v
             e = _mem(n, start[n], k, bias, f) - target
             e = e[..., None] if n in SCALAR else e
             delta = EIN("bho,bhfo->bhf", e, w_out) * df(z)
+            if inner_step == "normalized":  # the input layer's gradient over 1 + ‖W_out‖²
+                delta = delta / (1.0 + jnp.sum(w_out**2, (-2, -1)))[..., None]
             g_in = k[..., :, None] * delta[..., None, :]
             g_out = f(z)[..., :, None] * e[..., None, :]
+            lr_out = lr / (1.0 + jnp.sum(f(z) ** 2, -1)) if inner_step == "normalized" else lr
             new[n] = (dgd_write(weights[n][0], k, g_in, lr, retain, dgd),
-                      dgd_write(weights[n][1], f(z), g_out, lr, retain, dgd_output))
+                      dgd_write(weights[n][1], f(z), g_out, lr_out, retain, dgd_output))
         state = {"after_write": new, "before_write": weights, "chunk_start": start}[read]["memory"]
         outs.append(_mem("memory", state, qt, bias, f))
         weights = new
@@ -150,7 +155,8 @@ def op_kwargs(cfg):
     return dict(lr_max=LR_MAX, chunk_memory=cfg.get("cm", 2), chunk_other=cfg.get("co", 4),
                 activation=cfg.get("act", "gelu"), dgd=cfg.get("dgd", True), dgd_output=cfg.get("dgo", False),
                 read=cfg.get("read", "after_write"),
-                self_targets=cfg.get("st", True), adaptive_q=cfg.get("aq", False))
+                self_targets=cfg.get("st", True), adaptive_q=cfg.get("aq", False), targets=cfg.get("tg", "chunk"),
+                inner_step=cfg.get("os", "plain"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +167,7 @@ RECURRENT_CFGS = [
     dict(read="before_write", dgd=False, cm=4, co=2),
     dict(read="chunk_start", st=False, aq=True, act="tanh"),
     dict(read="before_write", dgo=True),
+    dict(cm=4, co=2, tg="initial", os="normalized", dgo=True),
 ]
 
 
@@ -199,12 +206,21 @@ def test_step_equals_sequence_across_both_grids():
     (dict(activation="swish2"), "activation"),
     (dict(chunk_other=0), "chunk_other"),
     (dict(impl="fast"), "impl"),
+    (dict(targets="moving"), "targets"),
+    (dict(inner_step="nlms"), "inner_step"),
 ])
 def test_bad_arguments_name_the_culprit(kwargs, culprit):
     x, q, w0, lb, rb = make_inputs(0, t_len=4)
     kw = dict(lr_max=LR_MAX, weights0=w0, lr_bias=lb, retain_bias=rb) | kwargs
     with pytest.raises(ValueError, match=culprit):
         self_referential_titans(x, q, **kw)
+
+
+def test_initial_targets_need_weights0():
+    x, q, w0, lb, rb = make_inputs(0, t_len=4)
+    with pytest.raises(ValueError, match="targets='initial' takes the targets from weights0"):
+        self_referential_titans(x, q, initial_state=self_referential_init_state(w0, B), targets="initial",
+                                lr_max=LR_MAX, lr_bias=lb, retain_bias=rb)
 
 
 def test_bad_shapes_name_the_argument():
@@ -278,12 +294,16 @@ GRAD_CFGS = [
     dict(cm=4, co=2, read="before_write", dgd=False, st=False),
     dict(cm=2, co=4, dgo=True),  # DGD on the output layers too
     dict(cm=4, co=4, read="chunk_start", aq=True),
+    dict(cm=2, co=4, tg="initial", os="normalized", dgo=True),  # the MQAR preset's options
 ]
 # The default suite checks one configuration; the others and the full sweep are slow.
 GRAD_PARAMS = GRAD_CFGS[:1] + [pytest.param(c, marks=pytest.mark.slow) for c in GRAD_CFGS[1:]]
 SWEEP = [dict(cm=cm, co=co, read=r, dgd=d, st=s) for (cm, co) in ((2, 4), (4, 4), (4, 2))
          for r in ("after_write", "before_write", "chunk_start") for d in (True, False) for s in (True, False)]
 SWEEP += [dict(cm=cm, co=co, read=r, dgo=True) for (cm, co) in ((2, 4), (4, 2)) for r in ("after_write", "chunk_start")]
+SWEEP += [dict(cm=cm, co=co, read=r, st=s, tg="initial") for (cm, co) in ((2, 4), (4, 2))
+          for r in ("after_write", "before_write") for s in (True, False)]
+SWEEP += [dict(cm=cm, co=co, os="normalized", dgo=d) for (cm, co) in ((2, 4), (4, 2)) for d in (True, False)]
 
 
 @pytest.mark.parametrize("cfg", GRAD_PARAMS, ids=cfg_id)
@@ -443,15 +463,16 @@ def test_causal():
     assert float(jnp.abs(o[:, cut:] - o2[:, cut:]).max()) > 1e-3
 
 
-@pytest.mark.parametrize("split", [8, 7])
-def test_stream_split_continues_exactly(split):
+@pytest.mark.parametrize("split, targets", [(8, "chunk"), (7, "chunk"), (7, "initial")])
+def test_stream_split_continues_exactly(split, targets):
     """Split on a boundary of both grids (the weights dict resumes) and inside a chunk (the stream state)."""
-    cfg = dict(cm=2, co=4)
+    cfg = dict(cm=2, co=4, tg=targets)
     x, q, w0, lb, rb = make_inputs(11)
     kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
     o, state = sr_fast(x, q, weights0=w0, **kw)
     o1, st1 = sr_fast(x[:, :split], q[:, :split], weights0=w0, return_stream_state=split % 4 != 0, **kw)
-    o2, st2 = sr_fast(x[:, split:], q[:, split:], initial_state=st1, **kw)
+    more = dict(weights0=w0) if targets == "initial" else {}  # the targets' fixed weights
+    o2, st2 = sr_fast(x[:, split:], q[:, split:], initial_state=st1, **more, **kw)
     assert rel_err(jnp.concatenate([o1, o2], 1) - q, o - q) <= 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(st2), jax.tree_util.tree_leaves(state)):
         assert rel_err(a, b) <= 1e-5
@@ -482,13 +503,14 @@ def test_stream_with_static_positions_continues_exactly(cfg):
         assert rel_err(a, b) <= 1e-5
 
 
-def test_decode_after_chunked_prefill_equals_full_sequence():
-    cfg = dict(cm=2, co=4)
+@pytest.mark.parametrize("targets", ["chunk", pytest.param("initial", marks=pytest.mark.slow)])
+def test_decode_after_chunked_prefill_equals_full_sequence(targets):
+    cfg = dict(cm=2, co=4, tg=targets)
     x, q, w0, lb, rb = make_inputs(12, t_len=13)
     kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
     o, _ = sr_fast(x, q, weights0=w0, **kw)
     _, state = sr_fast(x[:, :5], q[:, :5], weights0=w0, return_stream_state=True, **kw)
-    step = jax.jit(functools.partial(self_referential_titans_step, **kw))
+    step = jax.jit(functools.partial(self_referential_titans_step, weights0=w0, **kw))
     outs = []
     for t in range(5, x.shape[1]):
         o_t, state = step(x[:, t], q[:, t], state=state)
