@@ -62,11 +62,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
     # Stronger writes than the LM default from the start (lr_t ~ 0.25 against 0.05) and little forgetting
     # (retain 0.999: ~78% of a write left 250 tokens on, against 8% with the LM default 0.99), as titans_lmm's
-    # max_lr and titans_mac's decay_init. With HOPE.md's targets and output step, runs became nan at step ~160,
-    # just after the loss left the plateau: the first layer's `memory` grew ~10x per 16-token chunk (2.4e5 after
-    # 64 tokens at the step-140 parameters), hidden by the output RMSNorm until it overflowed. Two causes, each
-    # needing its fix (same parameters, norms after 64 tokens): targets from the initial weights alone 1e4,
-    # `dgd_output` alone inf, both together 7.8 / 3.9, bounded. results/history.md, 2026-12-01.
+    # max_lr and titans_mac's decay_init. With HOPE.md's targets and steps, runs became nan at step ~160: the
+    # fast weights grew ~10x per 16-token chunk, hidden by the output RMSNorm until they overflowed. Fixed
+    # targets (targets="initial"), DGD on the output layers and normalised inner steps keep them bounded
+    # (runs to the end of the budget, 617 steps), but the task is not learnt in it: 0.5% / 0.7% (lr_max 0.5 /
+    # 1.0), loss ~5.45 as at step 300. results/history.md, 2026-12-01. Open.
     "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999,
                         "memory.targets": "initial", "memory.dgd_output": True, "memory.inner_step": "normalized"},
     # Hope-Attention (causal attention, then the CMS levels learning in context): Hope's own mixer is the
