@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nlearn.layers.core import Dense, Embed, RMSNorm, SwiGLU, swiglu_width
@@ -84,14 +85,49 @@ def unstack_blocks(params: dict) -> dict:
     return out
 
 
+def _shared(leaf) -> bool:
+    """A 0-d value that is not a jax array: known when tracing and the same for every layer (a stream
+    position pass 1 fixes), so a scan over layers passes it as it is instead of slicing it."""
+    return not isinstance(leaf, jax.Array) and np.ndim(leaf) == 0
+
+
+def scan_layers(layers: nnx.Module, fn, carry, xs, *, remat: bool = False, policy=None):
+    """`fn(block, carry, xs_l) -> (carry, ys_l)` for every layer of the stacked module `layers`, as one
+    `lax.scan`: `xs` leaves carry a leading layers axis (or are `_shared`), `ys` come back stacked.
+    `remat`: each layer rematerialised in the backward pass, keeping what `policy` saves."""
+    graphdef, state = nnx.split(layers)
+    leaves, treedef = jax.tree.flatten(xs)
+    shared = [_shared(leaf) for leaf in leaves]
+
+    def body(c, layer):
+        layer_state, sliced = layer
+        it = iter(sliced)
+        xs_l = jax.tree.unflatten(treedef, [leaf if s else next(it) for leaf, s in zip(leaves, shared)])
+        return fn(nnx.merge(graphdef, layer_state), c, xs_l)
+
+    if remat:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, carry, (state, [leaf for leaf, s in zip(leaves, shared) if not s]))
+
+
+def per_layer(layers: nnx.Module, fn):
+    """`fn(block)` of every layer of the stacked module `layers`, its leaves stacked on a leading layers
+    axis (e.g. the decoding caches)."""
+    graphdef, state = nnx.split(layers)
+    return jax.vmap(lambda s: fn(nnx.merge(graphdef, s)))(state)
+
+
 class LanguageModel(nnx.Module):
-    """Maps int tokens `[B, T]` to float32 logits `[B, T, V]`; `decode` carries a cache."""
+    """Maps int tokens `[B, T]` to float32 logits `[B, T, V]`; `decode` carries a cache.
+    A subclass may set `block` to another `(cfg, mixer, rngs=)` block class."""
+
+    block = Block
 
     def __init__(self, cfg, make_mixer: MixerFactory, *, rngs: nnx.Rngs):
         self.remat = cfg.remat
         self.remat_policy = cfg.remat_policy
         self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-        blocks = [Block(cfg, make_mixer(cfg, i, rngs), rngs=rngs) for i in range(cfg.num_layers)]
+        blocks = [self.block(cfg, make_mixer(cfg, i, rngs), rngs=rngs) for i in range(cfg.num_layers)]
         if cfg.scan_layers:
             self.layers = stack_modules(blocks, cfg.family)
         else:
@@ -125,15 +161,8 @@ class LanguageModel(nnx.Module):
                 else:
                     x_BTD = block(x_BTD)[0]
             return x_BTD, (None if cache is None else new_cache)
-        graphdef, state = nnx.split(self.layers)
-
-        def body(x, layer):
-            layer_state, layer_cache = layer
-            return nnx.merge(graphdef, layer_state)(x, layer_cache)
-
-        if remat:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        return jax.lax.scan(body, x_BTD, (state, cache))
+        return scan_layers(self.layers, lambda block, x, layer_cache: block(x, layer_cache), x_BTD, cache,
+                           remat=remat, policy=policy)
 
     def __call__(self, tokens_BT):
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
@@ -144,8 +173,7 @@ class LanguageModel(nnx.Module):
         over layers; scanned: one pytree whose leaves are stacked on a leading `layers` axis)."""
         if not self.scanned:
             return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
-        graphdef, state = nnx.split(self.layers)
-        return jax.vmap(lambda s: nnx.merge(graphdef, s).init_cache(batch, max_len, dtype))(state)
+        return per_layer(self.layers, lambda block: block.init_cache(batch, max_len, dtype))
 
     def decode(self, tokens_BT, cache, probe=None):
         """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds. `probe(block,
