@@ -43,9 +43,7 @@ def _params(model):
     return graphdef, nnx.to_pure_dict(params)
 
 
-def _loss_and_grads(model, tokens_BT):
-    graphdef, params = _params(model)
-
+def _loss_and_grads(graphdef, params, tokens_BT):
     def loss(p):
         return jnp.mean(token_losses(graphdef, p, tokens_BT[:, :-1], tokens_BT[:, 1:], jnp.float32))
 
@@ -62,18 +60,21 @@ def _assert_trees_close(got, want, rtol=1e-5):
 
 
 def _check_equal_to_unscanned(family, *variants):
-    """Each variant (model overrides) of the scanned model against the unscanned one from the same seed."""
+    """Each variant (model overrides) of the scanned model against the unscanned one from the same seed:
+    the same draws (the scanned init is one scan over layers; built eagerly, the samplers round apart by
+    an ulp), then the loss and gradients from the unscanned parameters, stacked."""
     plain = models.build(config_of(family))
     tokens = jax.random.randint(jax.random.key(0), (2, 21), 0, 61)
-    loss_p, grads_p = _loss_and_grads(plain, tokens)
+    loss_p, grads_p = _loss_and_grads(*_params(plain), tokens)
     assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads_p["blocks"][0]))  # every block param learns
     stacked = stack_blocks(_params(plain)[1])
     jax.tree.map(np.testing.assert_array_equal, unstack_blocks(stacked), _params(plain)[1])
     for model in variants:
         scanned = models.build(config_of(family, scan_layers=True, **model))
         assert not hasattr(scanned, "blocks") and not hasattr(plain, STACKED)
-        jax.tree.map(np.testing.assert_array_equal, _params(scanned)[1], stacked)  # same seed, same values
-        loss_s, grads_s = _loss_and_grads(scanned, tokens)
+        graphdef, params = _params(scanned)
+        _assert_trees_close(params, stacked, rtol=1e-6)  # same seed, same values
+        loss_s, grads_s = _loss_and_grads(graphdef, stacked, tokens)
         np.testing.assert_allclose(float(loss_s), float(loss_p), rtol=1e-6, err_msg=str(model))
         _assert_trees_close(grads_s, stack_blocks(grads_p))
 
@@ -115,21 +116,43 @@ def test_scanned_decoding_matches_the_scanned_forward(family):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(forward(state, tokens)), atol=1e-4)
 
 
-def test_scanned_train_step_does_not_grow_with_depth():
-    """The lowered train step holds one block whatever the depth (the unrolled one grows with it):
-    compile time flat in depth, measured without timing."""
+def _lowered_init(config):
+    """The jitted init of the train state's parameters (what `Setup.init_state` compiles), lowered."""
+    from nlearn.train.optim import make_optimizer
+    from nlearn.train.state import _init_state
+
+    optimizer = make_optimizer(config)
+    return jax.jit(lambda: _init_state(config, optimizer)["params"]).lower()
+
+
+def test_scanned_train_step_and_init_do_not_grow_with_depth():
+    """The lowered train step and state init hold one block whatever the depth (the unrolled ones grow with
+    it): compile time flat in depth, measured without timing."""
     from nlearn.train.state import make_setup
     from nlearn.train.step import make_train_step
 
-    def lines(layers, scan):
+    def lowered(layers, scan):
         config = tiny("transformer", num_layers=layers, scan_layers=scan)
         setup = make_setup(config)
         step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
         batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
-        return len(jax.jit(step).lower(setup.abstract_state, batch).as_text().splitlines())
+        return jax.jit(step).lower(setup.abstract_state, batch), _lowered_init(config)
 
-    assert lines(2, True) == lines(4, True)
-    assert lines(4, False) > lines(2, False) + 1000  # what the measure would show if the scan unrolled
+    def lines(lowered):
+        return len(lowered.as_text().splitlines())
+
+    (step2, init2), (step4, init4) = lowered(2, True), lowered(4, True)
+    (plain_step2, plain_init2), (plain_step4, plain_init4) = lowered(2, False), lowered(4, False)
+    assert lines(step2) == lines(step4) and lines(init2) == lines(init4)
+    assert lines(plain_step4) > lines(plain_step2) + 1000  # what the measure would show if the scan unrolled
+    assert lines(plain_init4) > lines(plain_init2) + 100
+
+
+@pytest.mark.slow
+def test_scanned_jitted_init_equals_unscanned_exactly():
+    """The trainer's jitted init (one scan over layers) draws the unscanned model's parameters bit for bit."""
+    scanned, plain = (_lowered_init(tiny("titans_lmm", scan_layers=scan)).compile()() for scan in (True, False))
+    jax.tree.map(np.testing.assert_array_equal, scanned, stack_blocks(plain))
 
 
 def test_stacked_layout_keeps_decay_and_places_the_layers_axis_replicated():
@@ -161,6 +184,19 @@ def test_bad_values_are_refused_in_one_line(key, value, message):
         config.model[key] = value
     with pytest.raises(UserError, match=message.replace("(", r"\(")) as e:
         validate(config)
+    assert "\n" not in str(e.value)
+
+
+def test_layers_that_differ_by_index_are_refused_in_one_line():
+    """The scanned init builds one block for all layers: a mixer factory that branches on the index cannot."""
+    from nlearn.models.lm import LanguageModel
+    from nlearn.models.transformer import make_attention
+
+    def every_other(cfg, layer_index, rngs):
+        return make_attention(cfg, layer_index, rngs) if layer_index % 2 == 0 else None
+
+    with pytest.raises(UserError, match="layers of family 'transformer' differ by index") as e:
+        LanguageModel(tiny("transformer", scan_layers=True).model, every_other, rngs=nnx.Rngs(params=0))
     assert "\n" not in str(e.value)
 
 

@@ -259,10 +259,7 @@ class HopeModel(LanguageModel):
         return self.run(tokens_BT, deltas=self.per_period(self.adapt(tokens_BT)), segmented=True)[0]
 
     def init_mixer_caches(self, batch: int, max_len: int, dtype=None):
-        dtype = dtype or self.embed.table[...].dtype
-        if self.scanned:
-            return per_layer(self.layers, lambda block: block.init_cache(batch, max_len, dtype))
-        return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
+        return super().init_cache(batch, max_len, dtype or self.embed.table[...].dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """The mixers' caches; with updates also `Δ`, the running sums, the current chunk's tokens
