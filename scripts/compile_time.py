@@ -5,8 +5,8 @@ whatever the depth.
     python scripts/compile_time.py             # transformer, deltanet and hope; writes results/compile_time.md
     python scripts/compile_time.py --families=titans_lmm,hope:model.hope.mixer=attention --depths=4,24 --no-write
 
-Each time is the best of `--repeats` fresh traces (trace + lower + XLA compile of the jitted train step
-on abstract inputs; nothing runs), next to the compiled program's instruction count; the init column is
+Each time is the best of `--repeats` fresh traces (CPU seconds to trace, lower and XLA-compile the jitted
+train step on abstract inputs; nothing runs), next to the compiled program's instruction count; the init column is
 the same for the jitted init of the train state. The bar: 24-layer scanned / 4-layer scanned <= 1.5.
 """
 
@@ -47,14 +47,14 @@ def tiny_config(row: str, layers: int, scan: bool, args):
 
 
 def _best_compile(make_lowered, repeats: int) -> tuple[float, int]:
-    """Best-of-`repeats` wall seconds to trace, lower and compile (a fresh jit each time, so nothing is
-    reused from an earlier compile), and the compiled HLO's instruction count (a measure of program size
-    that the machine's load does not change)."""
+    """Best-of-`repeats` CPU seconds of this process to trace, lower and compile (a fresh jit each time, so
+    nothing is reused from an earlier compile: the work, which a shared machine's load barely changes,
+    where wall seconds would measure the load), and the compiled HLO's instruction count (program size)."""
     best, size = float("inf"), 0
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         compiled = make_lowered().compile()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
         size = sum(" = " in line for line in compiled.as_text().splitlines())
     return best, size
 
@@ -116,10 +116,11 @@ def main(argv=None) -> None:
     if args.write:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         note = (f"Train step (forward, backward, AdamW) of the tiny config at d_model={args.d_model}, batch "
-                f"{args.batch} x {args.seq_len} tokens: seconds to trace, lower and compile (best of {args.repeats}; "
+                f"{args.batch} x {args.seq_len} tokens: CPU seconds to trace, lower and compile (best of "
+                f"{args.repeats}; "
                 "nothing runs) and the compiled HLO's instruction count; the init columns time the jitted init "
                 f"of the train state (parameters and AdamW moments). {verdict}. Load average {load:.1f} when "
-                "it finished: the ratios, taken in one run, are what to read; absolute seconds vary with the load.")
+                "it finished: the ratios, taken in one run, are what to read.")
         command = " ".join(["python scripts/compile_time.py", *(sys.argv[1:] if argv is None else argv)])
         print(write_results("compile_time.md", "Train-step compile time against depth (model.scan_layers)",
                             command, table, note))
