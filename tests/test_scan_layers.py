@@ -1,8 +1,7 @@
 """`model.scan_layers=True`: the blocks stacked on a `layers` axis and run by one scan give the unscanned
-model's parameters (same seed), loss, gradients and decoding; a scanned run resumes from its checkpoint;
-bad values and the family that cannot scan are refused in one line."""
+model's parameters (same seed), loss, gradients and decoding, for every family (Hope's two-pass CMS step
+included); a scanned run resumes from its checkpoint; bad values are refused in one line."""
 
-import importlib
 import os
 import shutil
 
@@ -20,8 +19,23 @@ from nlearn.train.optim import decay_mask
 from nlearn.train.step import token_losses
 from test_families import tiny  # vocabulary 61, d_model 32, 2 layers, chunk_size 8
 
-SCANNABLE = sorted(f for f, family in models.FAMILIES.items() if family.model is None)
+SCANNABLE = sorted(models.FAMILIES)
 FAST = ("transformer",)  # in the default suite, with a remat variant; the rest is slow
+
+
+def config_of(family, **model):
+    """`tiny(family)`; Hope with periods of 4 and 8 tokens, so that both CMS levels learn inside the
+    20-token window, and its attention mixer (`hope_self_referential` for its own)."""
+    if not family.startswith("hope"):
+        return tiny(family, **model)
+    config = tiny("hope", **model)
+    with config.unlocked():
+        config.model.cms.update(dict(periods=(4, 8), lr=(0.5, 0.3)))
+        if family == "hope":
+            config.model.hope.mixer = "attention"
+        else:  # the op's chunks (2 and 8 tokens) cut the CMS chunks; pass 1 passes the stream position along
+            config.model.memory.update(chunk_memory=2, chunk_other=8)
+    return config
 
 
 def _params(model):
@@ -29,9 +43,7 @@ def _params(model):
     return graphdef, nnx.to_pure_dict(params)
 
 
-def _loss_and_grads(model, tokens_BT):
-    graphdef, params = _params(model)
-
+def _loss_and_grads(graphdef, params, tokens_BT):
     def loss(p):
         return jnp.mean(token_losses(graphdef, p, tokens_BT[:, :-1], tokens_BT[:, 1:], jnp.float32))
 
@@ -48,25 +60,30 @@ def _assert_trees_close(got, want, rtol=1e-5):
 
 
 def _check_equal_to_unscanned(family, *variants):
-    """Each variant (model overrides) of the scanned model against the unscanned one from the same seed."""
-    plain = models.build(tiny(family))
+    """Each variant (model overrides) of the scanned model against the unscanned one from the same seed:
+    the same draws (the scanned init is one scan over layers; built eagerly, the samplers round apart by
+    an ulp), then the loss and gradients from the unscanned parameters, stacked."""
+    plain = models.build(config_of(family))
     tokens = jax.random.randint(jax.random.key(0), (2, 21), 0, 61)
-    loss_p, grads_p = _loss_and_grads(plain, tokens)
+    loss_p, grads_p = _loss_and_grads(*_params(plain), tokens)
     assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads_p["blocks"][0]))  # every block param learns
     stacked = stack_blocks(_params(plain)[1])
     jax.tree.map(np.testing.assert_array_equal, unstack_blocks(stacked), _params(plain)[1])
     for model in variants:
-        scanned = models.build(tiny(family, scan_layers=True, **model))
+        scanned = models.build(config_of(family, scan_layers=True, **model))
         assert not hasattr(scanned, "blocks") and not hasattr(plain, STACKED)
-        jax.tree.map(np.testing.assert_array_equal, _params(scanned)[1], stacked)  # same seed, same values
-        loss_s, grads_s = _loss_and_grads(scanned, tokens)
+        graphdef, params = _params(scanned)
+        _assert_trees_close(params, stacked, rtol=1e-6)  # same seed, same values
+        loss_s, grads_s = _loss_and_grads(graphdef, stacked, tokens)
         np.testing.assert_allclose(float(loss_s), float(loss_p), rtol=1e-6, err_msg=str(model))
         _assert_trees_close(grads_s, stack_blocks(grads_p))
 
 
-@pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in SCANNABLE])
+@pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in SCANNABLE + ["hope_self_referential"]])
 def test_scanned_loss_and_gradients_equal_unscanned(family):
-    """Plain, and (transformer) with each block rematerialised keeping its matmul outputs."""
+    """Plain, and (transformer) with each block rematerialised keeping its matmul outputs. Hope: pass 1
+    scans the layers inside its scan over chunks, and each layer's Δ rides the layers axis."""
     remat = [dict(remat=True, remat_policy="dots_saveable")] if family == "transformer" else []
     _check_equal_to_unscanned(family, {}, *remat)
 
@@ -83,13 +100,14 @@ def test_scanned_remat_keeps_the_gradients(family, policy):
 def test_scanned_decoding_matches_the_scanned_forward(family):
     """The cache is one pytree stacked on the layers axis; prompt then one token at a time, through the
     scan over layers, gives the full forward."""
-    model = models.build(tiny(family, scan_layers=True))
+    model = models.build(config_of(family, scan_layers=True))
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     decode = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).decode(t, c))
     tokens = jax.random.randint(jax.random.key(1), (2, 19), 0, 61)
     cache = model.init_cache(2, 19)
-    assert all(leaf.shape[0] == 2 for leaf in jax.tree.leaves(cache))  # [layers, ...]
+    layered = cache["mix"] if family == "hope" else cache  # hope: and its Δ, sums, current chunk, position
+    assert all(leaf.shape[0] == 2 for leaf in jax.tree.leaves(layered))  # [layers, ...]
     logits, cache = decode(state, tokens[:, :7], cache)
     steps = [logits]
     for i in range(7, 19):
@@ -98,21 +116,43 @@ def test_scanned_decoding_matches_the_scanned_forward(family):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(forward(state, tokens)), atol=1e-4)
 
 
-def test_scanned_train_step_does_not_grow_with_depth():
-    """The lowered train step holds one block whatever the depth (the unrolled one grows with it):
-    compile time flat in depth, measured without timing."""
+def _lowered_init(config):
+    """The jitted init of the train state's parameters (what `Setup.init_state` compiles), lowered."""
+    from nlearn.train.optim import make_optimizer
+    from nlearn.train.state import _init_state
+
+    optimizer = make_optimizer(config)
+    return jax.jit(lambda: _init_state(config, optimizer)["params"]).lower()
+
+
+def test_scanned_train_step_and_init_do_not_grow_with_depth():
+    """The lowered train step and state init hold one block whatever the depth (the unrolled ones grow with
+    it): compile time flat in depth, measured without timing."""
     from nlearn.train.state import make_setup
     from nlearn.train.step import make_train_step
 
-    def lines(layers, scan):
+    def lowered(layers, scan):
         config = tiny("transformer", num_layers=layers, scan_layers=scan)
         setup = make_setup(config)
         step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
         batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
-        return len(jax.jit(step).lower(setup.abstract_state, batch).as_text().splitlines())
+        return jax.jit(step).lower(setup.abstract_state, batch), _lowered_init(config)
 
-    assert lines(2, True) == lines(4, True)
-    assert lines(4, False) > lines(2, False) + 1000  # what the measure would show if the scan unrolled
+    def lines(lowered):
+        return len(lowered.as_text().splitlines())
+
+    (step2, init2), (step4, init4) = lowered(2, True), lowered(4, True)
+    (plain_step2, plain_init2), (plain_step4, plain_init4) = lowered(2, False), lowered(4, False)
+    assert lines(step2) == lines(step4) and lines(init2) == lines(init4)
+    assert lines(plain_step4) > lines(plain_step2) + 1000  # what the measure would show if the scan unrolled
+    assert lines(plain_init4) > lines(plain_init2) + 100
+
+
+@pytest.mark.slow
+def test_scanned_jitted_init_equals_unscanned_exactly():
+    """The trainer's jitted init (one scan over layers) draws the unscanned model's parameters bit for bit."""
+    scanned, plain = (_lowered_init(tiny("titans_lmm", scan_layers=scan)).compile()() for scan in (True, False))
+    jax.tree.map(np.testing.assert_array_equal, scanned, stack_blocks(plain))
 
 
 def test_stacked_layout_keeps_decay_and_places_the_layers_axis_replicated():
@@ -147,23 +187,28 @@ def test_bad_values_are_refused_in_one_line(key, value, message):
     assert "\n" not in str(e.value)
 
 
-def test_a_family_without_a_scanned_form_refuses():
-    config = importlib.import_module("hope").get_config("tiny")
-    with config.unlocked():
-        config.model.scan_layers = True
-    with pytest.raises(UserError, match="model.scan_layers=True: family 'hope' runs its own per-block forward"):
-        validate(config)
+def test_layers_that_differ_by_index_are_refused_in_one_line():
+    """The scanned init builds one block for all layers: a mixer factory that branches on the index cannot."""
+    from nlearn.models.lm import LanguageModel
+    from nlearn.models.transformer import make_attention
+
+    def every_other(cfg, layer_index, rngs):
+        return make_attention(cfg, layer_index, rngs) if layer_index % 2 == 0 else None
+
+    with pytest.raises(UserError, match="layers of family 'transformer' differ by index") as e:
+        LanguageModel(tiny("transformer", scan_layers=True).model, every_other, rngs=nnx.Rngs(params=0))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
-def test_scanned_run_resumes_exactly(tmp_path, cache_dir, text_corpus, capsys):
+@pytest.mark.parametrize("family", ["transformer", "hope"])
+def test_scanned_run_resumes_exactly(family, tmp_path, cache_dir, text_corpus, capsys):
     """A scanned run checkpointed at step 2 of 4 resumes there and ends where the uninterrupted run did."""
     from nlearn.train import train_and_evaluate
 
-    config = importlib.import_module("transformer").get_config("tiny")
+    config = config_of(family, scan_layers=True)
     with config.unlocked():
         config.data.update(source="text", path=text_corpus, cache_dir=cache_dir, vocab_size=300, eval_tokens=512)
-        config.model.update(d_model=32, num_layers=2, num_heads=2, scan_layers=True)
         config.train.update(steps=4, batch_size=2, seq_len=16, warmup_steps=1, log_every=2, peak_gflops=100.0)
         config.checkpoint.update(every_steps=2, async_save=False)
         config.logging.update(wandb_mode="disabled", plot=False, progress=False)

@@ -38,13 +38,13 @@ def validate_config(config) -> None:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
     family = FAMILIES[config.model.family]
-    _validate_layers(config, family)
+    _validate_layers(config)
     if family.validate is not None:
         family.validate(config)
 
 
-def _validate_layers(config, family: Family) -> None:
-    """`model.remat_policy` and `model.scan_layers`: one line naming the key."""
+def _validate_layers(config) -> None:
+    """`model.remat_policy` (with `model.remat`): one line naming the key."""
     from nlearn.errors import UserError
     from nlearn.models.lm import REMAT_POLICIES
 
@@ -55,9 +55,6 @@ def _validate_layers(config, family: Family) -> None:
     if model.remat_policy != "full" and not model.remat:
         raise UserError(f"invalid config value model.remat_policy={model.remat_policy!r}: applies to "
                         "rematerialised blocks; set model.remat=True too")
-    if model.scan_layers and family.model is not None:
-        raise UserError(f"invalid config value model.scan_layers=True: family {model.family!r} runs its own "
-                        "per-block forward with no scanned form; set model.scan_layers=False")
 
 
 def build(config, rngs: Optional[nnx.Rngs] = None) -> LanguageModel:

@@ -29,9 +29,9 @@ from flax import nnx
 
 from nlearn.errors import UserError
 from nlearn.layers.cms import ORDERS, UPDATES, ContinuumMemory, accumulate_and_update
-from nlearn.layers.core import Dense, Embed, RMSNorm, swiglu_width
+from nlearn.layers.core import RMSNorm, swiglu_width
 from nlearn.models import register
-from nlearn.models.lm import LanguageModel
+from nlearn.models.lm import LanguageModel, per_layer, scan_layers
 
 MIXERS = ("self_referential", "attention")
 
@@ -134,15 +134,13 @@ class HopeModel(LanguageModel):
     """Tokens `[B, T]` -> logits `[B, T, V]`, with the CMS learning in context (module docstring).
 
     `Δ` pytrees are lists over blocks of lists over levels (in application order) of
-    `{"gate", "up", "down": [B, ...]}`."""
+    `{"gate", "up", "down": [B, ...]}`; with `model.scan_layers` one list over levels whose leaves
+    carry a leading layers axis (`[L, B, ...]`), and every path runs the blocks by one scan."""
+
+    block = HopeBlock
 
     def __init__(self, cfg, make_mixer, *, rngs: nnx.Rngs):
-        self.remat = cfg.remat
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-        self.blocks = nnx.List([HopeBlock(cfg, make_mixer(cfg, i, rngs), rngs=rngs) for i in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.head = None if cfg.tie_embeddings else Dense(
-            cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), std=cfg.init_std, rngs=rngs)
+        super().__init__(cfg, make_mixer, rngs=rngs)
         self.update = cfg.cms["update"]
         self.chunk = min(cfg.cms.periods)
         # The self-referential mixer's state depends on the position within its period (attention's does not).
@@ -151,9 +149,18 @@ class HopeModel(LanguageModel):
             self.mixer_period = max(cfg.memory.chunk_memory, cfg.memory.chunk_other)
         self.phases = math.lcm(self.chunk, self.mixer_period) // self.chunk  # chunks per pass-1 scan step
 
+    @property
+    def cms(self) -> ContinuumMemory:
+        """The first block's CMS (every block's periods and rates are the same)."""
+        return self.layers.cms if self.scanned else self.blocks[0].cms
+
     def run(self, tokens_BT, caches=None, deltas=None, segmented: bool = False):
         """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period)."""
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
+        if self.scanned:
+            x, new_caches = scan_layers(self.layers, lambda block, h, cd: block(h, *cd, segmented), x,
+                                        (caches, deltas))
+            return self._logits(x), new_caches
         new_caches = []
         for i, block in enumerate(self.blocks):
             x, cache = block(x, None if caches is None else caches[i], None if deltas is None else deltas[i],
@@ -162,6 +169,8 @@ class HopeModel(LanguageModel):
         return self._logits(x), new_caches
 
     def zero_delta(self, batch: int) -> list:
+        if self.scanned:
+            return per_layer(self.layers, lambda block: block.cms.zero_delta(batch))
         return [block.cms.zero_delta(batch) for block in self.blocks]
 
     def chunk_grads(self, tokens_BC, targets_BC, caches, deltas):
@@ -175,8 +184,10 @@ class HopeModel(LanguageModel):
 
     def learn(self, deltas, gsums, grads, pos):
         """Add one chunk's gradients; levels whose period divides `pos` (tokens seen) update."""
-        out = [accumulate_and_update(d, s, g, lrs=block.cms.lrs, periods=block.cms.periods, pos=pos)
-               for block, d, s, g in zip(self.blocks, deltas, gsums, grads)]
+        rule = dict(lrs=self.cms.lrs, periods=self.cms.periods, pos=pos)
+        if self.scanned:  # the update is elementwise: the stacked layers at once
+            return accumulate_and_update(deltas, gsums, grads, **rule)
+        out = [accumulate_and_update(d, s, g, **rule) for d, s, g in zip(deltas, gsums, grads)]
         return [o[0] for o in out], [o[1] for o in out]
 
     def adapt(self, tokens_BT):
@@ -226,14 +237,21 @@ class HopeModel(LanguageModel):
         knows it), so the self-referential op runs only the chunks a chunk of tokens touches."""
         if self.mixer_period == 1:
             return caches
-        return [dict(cache, state=cache["state"]._replace(pos=np.int32(pos % self.mixer_period)))
-                for cache in caches]
+
+        def told(cache):  # scanned: one position for the stacked layers, which a scan over them leaves whole
+            return dict(cache, state=cache["state"]._replace(pos=np.int32(pos % self.mixer_period)))
+
+        return told(caches) if self.scanned else [told(cache) for cache in caches]
 
     def per_period(self, chunk_deltas) -> list:
-        """Per-chunk `Δ` -> per level one `Δ` per period (`[N_ℓ, B, ...]`)."""
-        c = self.chunk
-        return [[jax.tree.map(lambda x, s=p // c: x[::s], level) for level, p in zip(block_d, block.cms.periods)]
-                for block, block_d in zip(self.blocks, chunk_deltas)]
+        """Per-chunk `Δ` (leaves `[n_chunks, ...]`) -> per level one `Δ` per period (`[N_ℓ, B, ...]`;
+        scanned: `[L, N_ℓ, B, ...]`)."""
+        c, periods = self.chunk, self.cms.periods
+        if self.scanned:
+            return [jax.tree.map(lambda x, s=p // c: jnp.moveaxis(x[::s], 0, 1), level)
+                    for level, p in zip(chunk_deltas, periods)]
+        return [[jax.tree.map(lambda x, s=p // c: x[::s], level) for level, p in zip(block_d, periods)]
+                for block_d in chunk_deltas]
 
     def __call__(self, tokens_BT):
         if self.update == "none":
@@ -241,8 +259,7 @@ class HopeModel(LanguageModel):
         return self.run(tokens_BT, deltas=self.per_period(self.adapt(tokens_BT)), segmented=True)[0]
 
     def init_mixer_caches(self, batch: int, max_len: int, dtype=None):
-        dtype = dtype or self.embed.table[...].dtype
-        return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
+        return super().init_cache(batch, max_len, dtype or self.embed.table[...].dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """The mixers' caches; with updates also `Δ`, the running sums, the current chunk's tokens

@@ -4,9 +4,9 @@ A block is pre-norm residual `x + mixer(norm(x))` then `x + mlp(norm(x))`; famil
 in the mixer (attention, a memory op, a Titans wiring), chosen through the registry.
 
 With `model.scan_layers=True` the blocks are one `Block` whose parameters are stacked on a leading
-`layers` axis (attribute `layers` instead of the list `blocks`), run by a `lax.scan` so that the
-compiled program holds one block whatever the depth; the parameters are those of the unscanned model
-from the same seed, stacked (`stack_blocks` / `unstack_blocks` map one layout to the other).
+`layers` axis (attribute `layers` instead of the list `blocks`), built and run by a `lax.scan` so that
+the compiled init and step hold one block whatever the depth; the parameters are those of the unscanned
+model from the same seed, stacked (`stack_blocks` / `unstack_blocks` map one layout to the other).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nlearn.layers.core import Dense, Embed, RMSNorm, SwiGLU, swiglu_width
@@ -51,20 +52,33 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache
 
 
-MixerFactory = Callable[..., nnx.Module]  # (model_cfg, layer_index, rngs) -> mixer module
+# (model_cfg, layer_index, rngs) -> mixer module; layer_index is a traced int32 under model.scan_layers
+MixerFactory = Callable[..., nnx.Module]
 
 
-def stack_modules(modules: list, family: str) -> nnx.Module:
-    """One module whose every variable is the modules' stacked on a leading `layers` axis (logical
-    axis name included); the modules must be alike but for their values."""
+def scan_init(n: int, make_block: Callable, rngs: nnx.Rngs, family: str) -> nnx.Module:
+    """`n` blocks `make_block(layer_index, rngs)` stacked on a leading `layers` axis (logical axis name
+    included), built by one `lax.scan` so that the init program holds one block whatever `n`. The scan
+    carries `rngs`' counters: layer i draws the keys the i-th of `n` blocks built in turn would (same seed,
+    same parameters), and `rngs` ends where that loop would leave it. `layer_index` is a traced int32."""
     from nlearn.errors import UserError
 
-    graphdefs, states = zip(*(nnx.split(m) for m in modules))
-    if any(g != graphdefs[0] for g in graphdefs[1:]):
+    rng_graphdef, rng_state = nnx.split(rngs)
+    graphdef = None
+
+    def body(rng_state, i):
+        nonlocal graphdef
+        layer_rngs = nnx.merge(rng_graphdef, rng_state)
+        graphdef, state = nnx.split(make_block(i, layer_rngs))
+        return nnx.split(layer_rngs)[1], state
+
+    try:
+        rng_state, state = jax.lax.scan(body, rng_state, jnp.arange(n, dtype=jnp.int32))
+    except jax.errors.ConcretizationTypeError as e:
         raise UserError(f"model.scan_layers=True: the layers of family {family!r} differ by index, so they "
-                        "cannot be stacked; set model.scan_layers=False")
-    state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    return nnx.merge(graphdefs[0], nnx.spmd.add_axis(state, 0, {nnx.PARTITION_NAME: STACKED}))
+                        "cannot be stacked; set model.scan_layers=False") from e
+    nnx.update(rngs, rng_state)
+    return nnx.merge(graphdef, nnx.spmd.add_axis(state, 0, {nnx.PARTITION_NAME: STACKED}))
 
 
 def stack_blocks(params: dict) -> dict:
@@ -84,18 +98,55 @@ def unstack_blocks(params: dict) -> dict:
     return out
 
 
+def _shared(leaf) -> bool:
+    """A 0-d value that is not a jax array: known when tracing and the same for every layer (a stream
+    position pass 1 fixes), so a scan over layers passes it as it is instead of slicing it."""
+    return not isinstance(leaf, jax.Array) and np.ndim(leaf) == 0
+
+
+def scan_layers(layers: nnx.Module, fn, carry, xs, *, remat: bool = False, policy=None):
+    """`fn(block, carry, xs_l) -> (carry, ys_l)` for every layer of the stacked module `layers`, as one
+    `lax.scan`: `xs` leaves carry a leading layers axis (or are `_shared`), `ys` come back stacked.
+    `remat`: each layer rematerialised in the backward pass, keeping what `policy` saves."""
+    graphdef, state = nnx.split(layers)
+    leaves, treedef = jax.tree.flatten(xs)
+    shared = [_shared(leaf) for leaf in leaves]
+
+    def body(c, layer):
+        layer_state, sliced = layer
+        it = iter(sliced)
+        xs_l = jax.tree.unflatten(treedef, [leaf if s else next(it) for leaf, s in zip(leaves, shared)])
+        return fn(nnx.merge(graphdef, layer_state), c, xs_l)
+
+    if remat:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, carry, (state, [leaf for leaf, s in zip(leaves, shared) if not s]))
+
+
+def per_layer(layers: nnx.Module, fn):
+    """`fn(block)` of every layer of the stacked module `layers`, its leaves stacked on a leading layers
+    axis (e.g. the decoding caches)."""
+    graphdef, state = nnx.split(layers)
+    return jax.vmap(lambda s: fn(nnx.merge(graphdef, s)))(state)
+
+
 class LanguageModel(nnx.Module):
-    """Maps int tokens `[B, T]` to float32 logits `[B, T, V]`; `decode` carries a cache."""
+    """Maps int tokens `[B, T]` to float32 logits `[B, T, V]`; `decode` carries a cache.
+    A subclass may set `block` to another `(cfg, mixer, rngs=)` block class."""
+
+    block = Block
 
     def __init__(self, cfg, make_mixer: MixerFactory, *, rngs: nnx.Rngs):
         self.remat = cfg.remat
         self.remat_policy = cfg.remat_policy
         self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-        blocks = [Block(cfg, make_mixer(cfg, i, rngs), rngs=rngs) for i in range(cfg.num_layers)]
+        def make_block(i, rngs):
+            return self.block(cfg, make_mixer(cfg, i, rngs), rngs=rngs)
+
         if cfg.scan_layers:
-            self.layers = stack_modules(blocks, cfg.family)
+            self.layers = scan_init(cfg.num_layers, make_block, rngs, cfg.family)
         else:
-            self.blocks = nnx.List(blocks)
+            self.blocks = nnx.List([make_block(i, rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.head = None if cfg.tie_embeddings else Dense(
             cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), std=cfg.init_std, rngs=rngs)
@@ -125,15 +176,8 @@ class LanguageModel(nnx.Module):
                 else:
                     x_BTD = block(x_BTD)[0]
             return x_BTD, (None if cache is None else new_cache)
-        graphdef, state = nnx.split(self.layers)
-
-        def body(x, layer):
-            layer_state, layer_cache = layer
-            return nnx.merge(graphdef, layer_state)(x, layer_cache)
-
-        if remat:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        return jax.lax.scan(body, x_BTD, (state, cache))
+        return scan_layers(self.layers, lambda block, x, layer_cache: block(x, layer_cache), x_BTD, cache,
+                           remat=remat, policy=policy)
 
     def __call__(self, tokens_BT):
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
@@ -144,8 +188,7 @@ class LanguageModel(nnx.Module):
         over layers; scanned: one pytree whose leaves are stacked on a leading `layers` axis)."""
         if not self.scanned:
             return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
-        graphdef, state = nnx.split(self.layers)
-        return jax.vmap(lambda s: nnx.merge(graphdef, s).init_cache(batch, max_len, dtype))(state)
+        return per_layer(self.layers, lambda block: block.init_cache(batch, max_len, dtype))
 
     def decode(self, tokens_BT, cache, probe=None):
         """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds. `probe(block,
