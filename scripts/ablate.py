@@ -34,7 +34,7 @@ VARIANTS = {
                    "depth=3", "optimizer=adamq"),
     "hope": ("", "cms.update=none", "cms.periods=(8,32,128)", "cms.periods=(16,64) cms.lr=(1e-3,1e-3)",
              "cms.periods=(16,) cms.lr=(1e-3,)", "hope.mixer=attention", "memory.dgd=False",
-             "memory.self_targets=False", "memory.adaptive_q=True", "cms.periods=(16,24)"),
+             "memory.self_targets=False", "memory.adaptive_q=True", "cms.periods=(16,32,64)"),
 }
 NOTES = {
     "titans_lmm": "default = optimizer=momentum, objective=l2, minibatch=16, depth=2.",

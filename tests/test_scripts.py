@@ -167,6 +167,15 @@ def test_compare_lm_table_has_seed_mean_spread_and_flags_unequal_parameters():
         "warning: seed 0: a:model.x=1 did not train or score on the same tokens as transformer"]
 
 
+def test_compare_lm_rows_from_several_logs_keep_the_latest_run_of_a_row_and_seed(tmp_path):
+    compare = load_script("compare_lm")
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.log"
+    old.write_text('{"row": "a", "seed": 0, "perplexity": 9}\n{"row": "b", "seed": 0, "perplexity": 8}\n')
+    new.write_text('noise\n{"row": "b", "seed": 0, "perplexity": 7}\n{"row": "b", "seed": 1, "perplexity": 6}\n')
+    runs = compare.read_runs(f"{old},{new}")
+    assert [(r["row"], r["seed"], r["perplexity"]) for r in runs] == [("a", 0, 9), ("b", 0, 7), ("b", 1, 6)]
+
+
 def test_compare_lm_counts_parameters_of_rows_with_overrides_and_refuses_a_bad_row(capsys):
     compare = load_script("compare_lm")
     counts = compare.param_counts(["titans_lmm:model.mlp_dim=384"], [])
