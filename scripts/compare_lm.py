@@ -165,13 +165,21 @@ def train(row: str, seed: int, workdir: str, steps: int, common: list[str]) -> d
             "same_batches": {"data": config["data"], **{k: config["train"][k] for k in SAME_TRAIN_KEYS}}}
 
 
+def batch_settings(run: dict) -> dict:
+    """What decides a run's batches: its `same_batches` less the option sections of other data sources
+    (a `data.niah` section added to the config later leaves the built-in corpus's batches as they were)."""
+    data = run["same_batches"]["data"]
+    return {**run["same_batches"],
+            "data": {k: v for k, v in data.items() if not isinstance(v, dict) or k == data.get("source")}}
+
+
 def data_mismatches(runs: list[dict]) -> list[str]:
     """Runs of one seed that did not share the data config, seed, steps, batch, length or held-out tokens."""
     out = []
     for seed in sorted({r["seed"] for r in runs}):
         ok = [r for r in runs if r["seed"] == seed and "error" not in r]
         for r in ok[1:]:
-            if r["same_batches"] != ok[0]["same_batches"] or r.get("eval_tokens") != ok[0].get("eval_tokens"):
+            if batch_settings(r) != batch_settings(ok[0]) or r.get("eval_tokens") != ok[0].get("eval_tokens"):
                 out.append(f"warning: seed {seed}: {r['row']} did not train or score on the same tokens as "
                            f"{ok[0]['row']}")
     return out

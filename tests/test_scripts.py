@@ -161,6 +161,7 @@ def test_compare_lm_table_has_seed_mean_spread_and_flags_unequal_parameters():
         "warning: a:model.x=1 has 1.06M parameters, +6.0% from transformer's 1.00M "
         "(more than 5%: not an equal-parameter comparison)"]
     assert compare.overlaps(entries) == ["a:model.x=1 ~ transformer"]  # 400-510 overlaps 500-520
+    runs[2]["same_batches"] = dict(same, data={"source": "builtin", "niah": {"min_len": 256}})  # another source's
     assert compare.data_mismatches(runs) == []
     runs[2]["same_batches"] = dict(same, seq_len=16)
     assert compare.data_mismatches(runs) == [
