@@ -39,11 +39,13 @@ def test_ablate_table_has_a_row_per_variant_and_refusals():
     ablate = load_script("ablate")
     rows = [{"variant": "default", "train_loss": 6.5, "eval_loss": 6.6, "tokens_per_sec": 1234.0, "minutes": 1.5},
             {"variant": "optimizer=adamq", "error": "error: invalid config value model.memory.optimizer='adamq'"},
-            {"variant": "depth=3", "error": "error: training loss became nan at step 20"}]
+            {"variant": "depth=3", "error": "error: training loss became nan at step 20"},
+            {"variant": "minibatch=4", "not_run": True}]
     lines = ablate.table(rows).splitlines()
     assert lines[2] == "| default | 6.500 | 6.600 | 1,234 | 1.5 min |"
     assert lines[3].startswith("| optimizer=adamq | refused: `error: invalid config value")
     assert lines[4].startswith("| depth=3 | failed: `error: training loss became nan")
+    assert lines[5] == "| minibatch=4 | not run | | | |"
     assert "optimizer=adamq" in ablate.VARIANTS["titans_lmm"]
 
 
