@@ -34,7 +34,7 @@ VARIANTS = {
                    "depth=3", "optimizer=adamq"),
     "hope": ("", "cms.update=none", "cms.periods=(8,32,128)", "cms.periods=(16,64) cms.lr=(1e-3,1e-3)",
              "cms.periods=(16,) cms.lr=(1e-3,)", "hope.mixer=attention", "memory.dgd=False",
-             "memory.self_targets=False", "memory.adaptive_q=True", "cms.periods=(16,24)"),
+             "memory.self_targets=False", "memory.adaptive_q=True", "cms.periods=(16,32,64)"),
 }
 NOTES = {
     "titans_lmm": "default = optimizer=momentum, objective=l2, minibatch=16, depth=2.",
@@ -93,7 +93,9 @@ def table(rows: list[dict], family: str = "titans_lmm") -> str:
     lines = [f"| `{section}` override | train loss (last step) | validation loss | train tok/s | wall time |",
              "|---|---|---|---|---|"]
     for r in rows:
-        if "error" in r:
+        if "not_run" in r:
+            lines.append(f"| {r['variant']} | not run | | | |")
+        elif "error" in r:
             why = "refused" if "invalid config value" in r["error"] else "failed"
             lines.append(f"| {r['variant']} | {why}: `{r['error']}` | | | |")
         else:
@@ -127,7 +129,8 @@ def main():
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "ablate"))
     parser.add_argument("--print-only", action="store_true", help="print the table, write no results file")
     parser.add_argument("--note", default="", help="sentence appended to the note above the table")
-    parser.add_argument("--rows", default="", help="re-render the table from this file of printed JSON rows")
+    parser.add_argument("--rows", default="", help="re-render the table from this file of printed JSON rows (the "
+                        "variants without one are listed as not run)")
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every run")
     args = parser.parse_args()
     variants = split_variants(args.variants) if args.variants else list(VARIANTS[args.family])
@@ -135,6 +138,8 @@ def main():
     if args.rows:
         with open(args.rows) as f:
             rows = [json.loads(line) for line in f if line.startswith("{")]
+        done = {r["variant"] for r in rows}  # the list's variants without a row are listed as not run
+        rows += [{"variant": v or "default", "not_run": True} for v in variants if (v or "default") not in done]
     for i, variant in enumerate([] if args.rows else variants):
         workdir = os.path.join(args.workdir, f"{args.family}-{i}")
         subprocess.run(["rm", "-rf", workdir])

@@ -12,8 +12,12 @@ from the tiny Transformer++ is flagged in the table and warned about.
   python scripts/compare_lm.py --families=transformer,hope --params-only
   python scripts/compare_lm.py --steps=300 -- --config.train.seq_len=64   # overrides for every row
 
-Each run prints one JSON line; `--rows=LOG[,LOG]` re-renders the table from such lines (e.g. runs
-made in several invocations) instead of training.
+Each run prints one JSON line, and the runs behind a table are kept next to it (results/lm_comparison.jsonl,
+results/ladder.jsonl). `--rows=LOG[,LOG]` re-renders the table from such lines instead of training; a later
+file's run of a row and seed replaces an earlier one, so new rows join a table without rerunning the others:
+
+  python scripts/compare_lm.py --families=hope --steps=100 --print-only -- ... > hope.log   # same overrides
+  python scripts/compare_lm.py --families=<all rows> --rows=results/lm_comparison.jsonl,hope.log
 """
 
 from __future__ import annotations
@@ -161,13 +165,21 @@ def train(row: str, seed: int, workdir: str, steps: int, common: list[str]) -> d
             "same_batches": {"data": config["data"], **{k: config["train"][k] for k in SAME_TRAIN_KEYS}}}
 
 
+def batch_settings(run: dict) -> dict:
+    """What decides a run's batches: its `same_batches` less the option sections of other data sources
+    (a `data.niah` section added to the config later leaves the built-in corpus's batches as they were)."""
+    data = run["same_batches"]["data"]
+    return {**run["same_batches"],
+            "data": {k: v for k, v in data.items() if not isinstance(v, dict) or k == data.get("source")}}
+
+
 def data_mismatches(runs: list[dict]) -> list[str]:
     """Runs of one seed that did not share the data config, seed, steps, batch, length or held-out tokens."""
     out = []
     for seed in sorted({r["seed"] for r in runs}):
         ok = [r for r in runs if r["seed"] == seed and "error" not in r]
         for r in ok[1:]:
-            if r["same_batches"] != ok[0]["same_batches"] or r.get("eval_tokens") != ok[0].get("eval_tokens"):
+            if batch_settings(r) != batch_settings(ok[0]) or r.get("eval_tokens") != ok[0].get("eval_tokens"):
                 out.append(f"warning: seed {seed}: {r['row']} did not train or score on the same tokens as "
                            f"{ok[0]['row']}")
     return out
@@ -238,11 +250,15 @@ def params_table(counts: dict) -> str:
 
 
 def read_runs(paths: str) -> list[dict]:
-    runs = []
+    """The runs printed in these files, one per row and seed: a later one replaces an earlier one."""
+    runs = {}
     for path in paths.split(","):
         with open(path) as f:
-            runs += [json.loads(line) for line in f if line.startswith('{"row"')]
-    return runs
+            for line in f:
+                if line.startswith('{"row"'):
+                    run = json.loads(line)
+                    runs[run["row"], run["seed"]] = run
+    return list(runs.values())
 
 
 def main():
@@ -308,7 +324,10 @@ def main():
         note += " " + " ".join(w.replace("warning: seed", "Seed") + "." for w in mismatched)
     name, title = (("ladder.md", "Family ladder: every family's tiny preset at equal tokens") if ladder else
                    ("lm_comparison.md", "Language modelling: validation perplexity at equal tokens"))
-    print(write_results(name, title, cmd, body, f"{note} {args.note}".rstrip()))
+    path = write_results(name, title, cmd, body, f"{note} {args.note}".rstrip())
+    with open(path.removesuffix(".md") + ".jsonl", "w") as f:  # the runs, for `--rows` to re-render or extend
+        f.writelines(json.dumps(r) + "\n" for r in runs)
+    print(path)
 
 
 if __name__ == "__main__":

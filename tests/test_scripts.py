@@ -39,11 +39,13 @@ def test_ablate_table_has_a_row_per_variant_and_refusals():
     ablate = load_script("ablate")
     rows = [{"variant": "default", "train_loss": 6.5, "eval_loss": 6.6, "tokens_per_sec": 1234.0, "minutes": 1.5},
             {"variant": "optimizer=adamq", "error": "error: invalid config value model.memory.optimizer='adamq'"},
-            {"variant": "depth=3", "error": "error: training loss became nan at step 20"}]
+            {"variant": "depth=3", "error": "error: training loss became nan at step 20"},
+            {"variant": "minibatch=4", "not_run": True}]
     lines = ablate.table(rows).splitlines()
     assert lines[2] == "| default | 6.500 | 6.600 | 1,234 | 1.5 min |"
     assert lines[3].startswith("| optimizer=adamq | refused: `error: invalid config value")
     assert lines[4].startswith("| depth=3 | failed: `error: training loss became nan")
+    assert lines[5] == "| minibatch=4 | not run | | | |"
     assert "optimizer=adamq" in ablate.VARIANTS["titans_lmm"]
 
 
@@ -161,10 +163,20 @@ def test_compare_lm_table_has_seed_mean_spread_and_flags_unequal_parameters():
         "warning: a:model.x=1 has 1.06M parameters, +6.0% from transformer's 1.00M "
         "(more than 5%: not an equal-parameter comparison)"]
     assert compare.overlaps(entries) == ["a:model.x=1 ~ transformer"]  # 400-510 overlaps 500-520
+    runs[2]["same_batches"] = dict(same, data={"source": "builtin", "niah": {"min_len": 256}})  # another source's
     assert compare.data_mismatches(runs) == []
     runs[2]["same_batches"] = dict(same, seq_len=16)
     assert compare.data_mismatches(runs) == [
         "warning: seed 0: a:model.x=1 did not train or score on the same tokens as transformer"]
+
+
+def test_compare_lm_rows_from_several_logs_keep_the_latest_run_of_a_row_and_seed(tmp_path):
+    compare = load_script("compare_lm")
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.log"
+    old.write_text('{"row": "a", "seed": 0, "perplexity": 9}\n{"row": "b", "seed": 0, "perplexity": 8}\n')
+    new.write_text('noise\n{"row": "b", "seed": 0, "perplexity": 7}\n{"row": "b", "seed": 1, "perplexity": 6}\n')
+    runs = compare.read_runs(f"{old},{new}")
+    assert [(r["row"], r["seed"], r["perplexity"]) for r in runs] == [("a", 0, 9), ("b", 0, 7), ("b", 1, 6)]
 
 
 def test_compare_lm_counts_parameters_of_rows_with_overrides_and_refuses_a_bad_row(capsys):
