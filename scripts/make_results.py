@@ -156,11 +156,51 @@ def niah_heatmap(label: str, record: dict, path: str) -> str:
     return path
 
 
+RUN_KEYS_IGNORED = ("workdir", "checkpoint", "logging", "wandb", "mesh")  # where a run writes and runs, not what
+
+
+def flat(node, prefix: str = "") -> dict:
+    """{"a.b.c": leaf as JSON} of a nested dict (JSON: a config's tuples compare equal to a record's lists)."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value)
+    return out
+
+
+def preset_overrides(family: str, config: dict) -> list[str]:
+    """`--config.KEY=VALUE` flags that turn today's `configs/niah.py:<family>` into the run's `config` (keys the
+    run's record lacks are skipped: they did not exist when it ran); None if the preset does not load."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "configs", "niah.py")
+    spec = importlib.util.spec_from_file_location("nlearn_config_niah_results", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        preset = flat(module.get_config(family).to_dict())
+    except Exception:  # noqa: BLE001 - a family the preset cannot build: no flags to show
+        return None
+    ran = flat(config)
+    return [f"--config.{k}={flag_value(json.loads(ran[k]))}" for k in sorted(ran)
+            if k in preset and ran[k] != preset[k] and k.split(".")[0] not in RUN_KEYS_IGNORED]
+
+
+def flag_value(value) -> str:
+    """A config value as a --config flag takes it (False, 0.2, text; lists as JSON)."""
+    if isinstance(value, (str, bool, int, float)):
+        return str(value)
+    return json.dumps(value)
+
+
 def niah_commands(runs: list[dict]) -> str:
     """The training and scoring command of each run, as its eval record has them."""
     lines = []
     for r in runs:
-        params = r["evals"]["niah"].get("parameters", {})
+        record = r["evals"]["niah"]
+        params = record.get("parameters", {})
         flags = [f"--workdir={r['workdir']}", "--task=niah"]
         if params.get("variant"):
             flags.append(f"--variant={params['variant']}")
@@ -168,8 +208,15 @@ def niah_commands(runs: list[dict]) -> str:
             flags.append("--lengths=" + ",".join(str(n) for n in params["lengths"]))
         if params.get("samples"):
             flags.append(f"--samples={params['samples']}")
-        lines.append(f"    nlearn-train --config=configs/niah.py:{r['family']} --workdir={r['workdir']}\n"
-                     f"    nlearn-eval {' '.join(flags)}")
+        overrides = preset_overrides(r["family"], record.get("config", {}))
+        train = " ".join([f"--config=configs/niah.py:{r['family']}", f"--workdir={r['workdir']}"]
+                         + (overrides or []))
+        lines.append(f"    nlearn-train {train}" + ("" if overrides is not None else "  # not from configs/niah.py")
+                     + f"\n    nlearn-eval {' '.join(flags)}")
+        note = os.path.join(r["workdir"], "note.txt")  # what the commands cannot say (a resumed run, ...)
+        if os.path.exists(note):
+            with open(note) as f:
+                lines.append("    # " + " ".join(f.read().split()))
     return "\n".join(lines)
 
 
