@@ -29,8 +29,8 @@ BUDGET = dict(batch_size=16, steps=1200, lr=3e-3, schedule="cosine", min_lr_rati
 # (answer loss ~1.6 nats a token: 7 x ln 10 over 10 tokens) for 650 steps or more. titans_lmm with this preset:
 # 15 / 0 / 0 / 0% at 1x / 4x / 16x / 32x after 1200 steps, 65 / 5 / 0 / 5% resumed to 1800 (results/niah.md).
 # deltanet with this preset: answer loss 1.44 at step 1000 (stopped there), 0% at every length. With
-# loss_on="question" the key after
-# "for" is recalled within ~300 steps (the question's loss falls to the digits' alone), but the digits are not:
+# loss_on="question" the key after "for" is recalled within ~300 steps (the question's loss falls to the
+# digits' alone), but the digits are not:
 # deltanet's answer-token accuracy 37.8% / 36.7% at steps 300 / 600 (chance: 37%, the space, period and EOS
 # right), titans_lmm with memory.decay=False 37.0% / 38.6% at steps 400 / 800 (both stopped on the plateau).
 # All on 2 cores shared with other jobs (load 7-10, 1-4k tokens/s), so too few steps to say more.
