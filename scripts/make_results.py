@@ -83,19 +83,48 @@ def pct(x) -> str:
 # NIAH
 
 
+NIAH_MULTIPLES = (1, 4, 16, 32)  # prompt lengths in the table, as multiples of the run's training window
+
+
+def all_families() -> list[str]:
+    """Every model family with a preset in configs/ (the task configs excluded)."""
+    task_configs = ("mqar", "niah")
+    return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
+                  if f.endswith(".py") and f[:-3] not in task_configs)
+
+
+def multiple(length: int, seq_len) -> str:
+    """'16x' for 4096 tokens of a 256-token window; '' without a window."""
+    if not seq_len:
+        return ""
+    m = length / int(seq_len)
+    return f"{m:g}x"
+
+
 def niah_table(runs: list[dict]) -> str:
-    """Accuracy per run and variant (rows) by prompt length (columns; multiples of the run's training window)."""
-    lengths = sorted({int(k) for r in runs for k in r["evals"]["niah"].get("by_length", {})})
-    out = ["| run | variant | trained at | " + " | ".join(str(n) for n in lengths) + " | overall |",
-           "|---|---|---|" + "---|" * (len(lengths) + 1)]
+    """Accuracy per run and variant (rows) at 1x, 4x, 16x and 32x the run's training window (columns; other
+    lengths scored go to the last column), then a "not run" row for every family without a run."""
+    heads = [f"{m}x" for m in NIAH_MULTIPLES]
+    out = ["| run | variant | trained at | step | " + " | ".join(heads) + " | other lengths | overall |",
+           "|---|---|---|---|" + "---|" * (len(heads) + 2)]
     for r in runs:
         record = r["evals"]["niah"]
         variants = record.get("by_variant") or {"all": record}
         for name, v in variants.items():
-            by_length = v.get("by_length", {})
-            cells = [pct(by_length.get(str(n))) for n in lengths]
-            out.append(f"| {r['label']} | {name} | {r['seq_len'] or '?'} | " + " | ".join(cells)
-                       + f" | {pct(v.get('accuracy'))} |")
+            by_mult, other = {}, []
+            for n, acc in sorted(v.get("by_length", {}).items(), key=lambda kv: int(kv[0])):
+                m = multiple(int(n), r["seq_len"])
+                if m in heads:
+                    by_mult[m] = f"{pct(acc)} ({n})"
+                else:
+                    other.append(f"{n}: {pct(acc)}")
+            cells = [by_mult.get(h, "") for h in heads] + [", ".join(other)]
+            out.append(f"| {r['label']} | {name} | {r['seq_len'] or '?'} | {record.get('step', '')} | "
+                       + " | ".join(cells) + f" | {pct(v.get('accuracy'))} |")
+    done = {r["family"] for r in runs}
+    for family in all_families():
+        if family not in done:
+            out.append(f"| {family} | not run |  |  | " + " | ".join("" for _ in heads) + " |  |  |")
     return "\n".join(out)
 
 
@@ -127,6 +156,70 @@ def niah_heatmap(label: str, record: dict, path: str) -> str:
     return path
 
 
+RUN_KEYS_IGNORED = ("workdir", "checkpoint", "logging", "wandb", "mesh")  # where a run writes and runs, not what
+
+
+def flat(node, prefix: str = "") -> dict:
+    """{"a.b.c": leaf as JSON} of a nested dict (JSON: a config's tuples compare equal to a record's lists)."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value)
+    return out
+
+
+def preset_overrides(family: str, config: dict) -> list[str]:
+    """`--config.KEY=VALUE` flags that turn today's `configs/niah.py:<family>` into the run's `config` (keys the
+    run's record lacks are skipped: they did not exist when it ran); None if the preset does not load."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "configs", "niah.py")
+    spec = importlib.util.spec_from_file_location("nlearn_config_niah_results", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        preset = flat(module.get_config(family).to_dict())
+    except Exception:  # noqa: BLE001 - a family the preset cannot build: no flags to show
+        return None
+    ran = flat(config)
+    return [f"--config.{k}={flag_value(json.loads(ran[k]))}" for k in sorted(ran)
+            if k in preset and ran[k] != preset[k] and k.split(".")[0] not in RUN_KEYS_IGNORED]
+
+
+def flag_value(value) -> str:
+    """A config value as a --config flag takes it (False, 0.2, text; lists as JSON)."""
+    if isinstance(value, (str, bool, int, float)):
+        return str(value)
+    return json.dumps(value)
+
+
+def niah_commands(runs: list[dict]) -> str:
+    """The training and scoring command of each run, as its eval record has them."""
+    lines = []
+    for r in runs:
+        record = r["evals"]["niah"]
+        params = record.get("parameters", {})
+        flags = [f"--workdir={r['workdir']}", "--task=niah"]
+        if params.get("variant"):
+            flags.append(f"--variant={params['variant']}")
+        if params.get("lengths"):
+            flags.append("--lengths=" + ",".join(str(n) for n in params["lengths"]))
+        if params.get("samples"):
+            flags.append(f"--samples={params['samples']}")
+        overrides = preset_overrides(r["family"], record.get("config", {}))
+        train = " ".join([f"--config=configs/niah.py:{r['family']}", f"--workdir={r['workdir']}"]
+                         + (overrides or []))
+        lines.append(f"    nlearn-train {train}" + ("" if overrides is not None else "  # not from configs/niah.py")
+                     + f"\n    nlearn-eval {' '.join(flags)}")
+        note = os.path.join(r["workdir"], "note.txt")  # what the commands cannot say (a resumed run, ...)
+        if os.path.exists(note):
+            with open(note) as f:
+                lines.append("    # " + " ".join(f.read().split()))
+    return "\n".join(lines)
+
+
 def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
     runs = [r for r in runs if "niah" in r["evals"]]
     if not runs:
@@ -137,8 +230,9 @@ def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
         niah_heatmap(r["label"], r["evals"]["niah"], os.path.join(out_dir, name))
         images.append(f"![{r['label']}]({name})")
     scoring = runs[0]["evals"]["niah"].get("scoring", "")
-    note = ("Accuracy by prompt length in tokens (columns; \"trained at\": the run's training window)"
-            + (f"; scoring: {scoring}" if scoring else "") + ". Heatmaps: length x needle depth, all variants.")
+    note = ("Accuracy at 1x, 4x, 16x and 32x the run's training window (\"trained at\", tokens; the prompt length "
+            "in brackets, reply included as RULER counts it)" + (f"; scoring: {scoring}" if scoring else "")
+            + ". Heatmaps: length x needle depth, all variants. The runs:\n\n" + niah_commands(runs))
     table = niah_table(runs) + "\n\n" + "\n".join(images)
     return [write_results("niah.md", "Needle in a haystack", command, table, note, directory=out_dir)]
 

@@ -57,8 +57,11 @@ def test_make_results_writes_tables_and_plots(tmp_path):
     assert sorted(os.path.basename(p) for p in written) == ["lm_eval.md", "mqar_eval.md", "niah.md",
                                                             "per_position.md"]
     niah = (out / "niah.md").read_text()
-    assert "| titans_lmm | single_1 | 16 | 100% | 95% | 90% | 95% |" in niah
-    assert "| transformer | single_1 | 16 | 100% | 5% |  | 52% |" in niah  # no 256-token result: empty cell
+    assert "| titans_lmm | single_1 | 16 | 40 | 100% (16) | 95% (64) | 90% (256) |  |  | 95% |" in niah
+    assert "| transformer | single_1 | 16 | 40 | 100% (16) | 5% (64) |  |  |  | 52% |" in niah  # no 16x: empty
+    assert "| deltanet | not run |" in niah and "| hope | not run |" in niah  # every family has a row
+    assert (f"nlearn-train --config=configs/niah.py:titans_lmm --workdir={runs / 'lmm'} --config.train.batch_size=4 "
+            "--config.train.seq_len=16\n") in niah  # what the run changed from today's preset
     for png in ("niah_titans_lmm.png", "niah_transformer.png", "per_position.png"):
         assert f"({png})" in (out / ("per_position.md" if png == "per_position.png" else "niah.md")).read_text()
         assert (out / png).stat().st_size > 2000

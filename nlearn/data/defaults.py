@@ -88,6 +88,7 @@ def data_config() -> ml_collections.ConfigDict:
         "variants": "single_1",   # comma list of single_1..3, multikey_1..3, multivalue, multiquery, or all
         "min_len": 256,
         "haystack": "builtin",
+        "loss_on": "answer",      # or "question" (also the question line), "all" (every token; nlearn.data.haystack)
         "train_examples": 1_000_000,
         "eval_examples": 200,
     })

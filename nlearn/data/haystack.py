@@ -119,16 +119,22 @@ def fit_to_budget(build: Callable[[int], str], tokenizer: Tokenizer, budget: int
     return lo, lo_ids
 
 
+LOSS_ON = ("answer", "question", "all")  # data.<task>.loss_on: which tokens of a window the loss falls on
+
+
 class QAExamples(collections.abc.Sequence):
     """Random-access (grain-compatible) training windows {"tokens", "weights"} of `length` + 1 tokens:
-    a prompt, its answer and EOS, then padding; weights 1 on the answer and EOS only.
+    a prompt, its answer and EOS, then padding; weights 1 on the answer and EOS (`loss_on="answer"`), also
+    on the prompt's last line, the question ("question"), or on every token ("all").
 
     Example i is `make(rng_i) -> (prompt ids, answer ids)` with rng_i from SeedSequence([tag, stream, seed,
     i]); `make` must fit `length` + 1 tokens."""
 
-    def __init__(self, num_examples: int, stream: int, seed: int, tag: int, length: int, make, eos_id: int):
+    def __init__(self, num_examples: int, stream: int, seed: int, tag: int, length: int, make, eos_id: int,
+                 loss_on: str = "answer", newline_id: int = -1):
         self.num_examples, self.stream, self.seed, self.tag = int(num_examples), int(stream), int(seed), int(tag)
         self.length, self.make, self.eos_id = int(length), make, int(eos_id)
+        self.loss_on, self.newline_id = loss_on, int(newline_id)
 
     def __len__(self) -> int:
         return self.num_examples
@@ -137,18 +143,32 @@ class QAExamples(collections.abc.Sequence):
         i = example_index(index, self.num_examples)
         rng = np.random.default_rng([self.tag, self.stream, self.seed, i])
         prompt, answer = self.make(rng)
-        return qa_window(prompt, answer, self.eos_id, self.length + 1)
+        return qa_window(prompt, answer, self.eos_id, self.length + 1, loss_from(prompt, self.loss_on,
+                                                                                 self.newline_id))
 
 
-def qa_window(prompt: Sequence[int], answer: Sequence[int], eos_id: int, size: int) -> dict[str, np.ndarray]:
-    """{"tokens", "weights"} of `size`: prompt, answer, EOS, PAD...; weights on the answer and EOS."""
+def loss_from(prompt: Sequence[int], loss_on: str, newline_id: int) -> int:
+    """The first token the loss falls on: the answer's, the one after the prompt's last newline (the question
+    and answer prefix), or the second token (every prediction)."""
+    if loss_on == "all":
+        return 1
+    if loss_on == "question":
+        lines = np.flatnonzero(np.asarray(prompt) == newline_id)
+        return int(lines[-1]) + 1 if len(lines) else 1
+    return len(prompt)
+
+
+def qa_window(prompt: Sequence[int], answer: Sequence[int], eos_id: int, size: int,
+              start: int | None = None) -> dict[str, np.ndarray]:
+    """{"tokens", "weights"} of `size`: prompt, answer, EOS, PAD...; weights from `start` (default: the
+    answer's first token) through EOS."""
     used = len(prompt) + len(answer) + 1
     if used > size:
         raise ValueError(f"a {used}-token example does not fit a {size}-token window")
     tokens = np.full(size, PAD_ID, np.int32)
     tokens[:used] = np.concatenate([prompt, answer, [eos_id]]).astype(np.int32)
     weights = np.zeros(size, np.float32)
-    weights[len(prompt):used] = 1.0
+    weights[len(prompt) if start is None else start:used] = 1.0
     return {"tokens": tokens, "weights": weights}
 
 
@@ -177,6 +197,9 @@ def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Seq
         counts[split] = int(section[split])
         if counts[split] < 1:
             raise UserError(f"data.{name}.{split} must be at least 1, got {counts[split]}")
+    loss_on = str(section.get("loss_on", "answer"))
+    if loss_on not in LOSS_ON:
+        raise UserError(f"data.{name}.loss_on={loss_on!r}: choose from {', '.join(LOSS_ON)}")
     tokenizer = text_tokenizer(config)
 
     def make_for_split(split):
@@ -194,7 +217,9 @@ def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Seq
     key = f"{name}-" + cache.short_hash([section.to_dict(), counts, seed, seq_len, tokenizer.fingerprint])
     return Corpus(
         key=key,
-        train=QAExamples(counts["train_examples"], 0, seed, tag, seq_len, make_for_split("train"), tokenizer.eos_id),
+        train=QAExamples(counts["train_examples"], 0, seed, tag, seq_len, make_for_split("train"), tokenizer.eos_id,
+                         loss_on, tokenizer.newline_id),
+        # scored on the answer whatever the training loss covers: the eval accuracy stays the task's
         validation=QAExamples(counts["eval_examples"], 1, seed, tag, seq_len, make_for_split("validation"),
                               tokenizer.eos_id),
         vocab_size=tokenizer.vocab_size,

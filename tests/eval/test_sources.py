@@ -6,6 +6,7 @@ import pytest
 
 from nlearn import data
 from nlearn.data import haystack
+from nlearn.errors import UserError
 
 
 @pytest.mark.parametrize("source,extra", [("niah", {"niah.variants": "single_1,multikey_2", "niah.min_len": 384}),
@@ -35,3 +36,23 @@ def test_training_batches_carry_the_weights(haystack_config):
     batch = next(data.make_train_iterator(config))
     assert batch["inputs"].shape == batch["weights"].shape == (2, 512)
     assert 0 < batch["weights"].sum() < 60
+
+
+@pytest.mark.parametrize("loss_on", ["question", "all"])
+def test_loss_on_the_question_or_every_token(haystack_config, tokenizer, loss_on):
+    config = haystack_config(source="niah", seq_len=512, **{"niah.min_len": 384, "niah.loss_on": loss_on})
+    corpus = data.get_corpus(config)
+    tokens, weights = corpus.train[2]["tokens"], corpus.train[2]["weights"]
+    used = int(np.flatnonzero(tokens == tokenizer.eos_id)[-1]) + 1
+    hot = np.flatnonzero(weights)
+    assert hot[-1] == used - 1 and np.all(weights[hot[0]:used] == 1)
+    if loss_on == "all":
+        assert hot[0] == 1
+    else:  # from the question's first token, after the haystack's last newline
+        assert tokens[hot[0] - 1] == tokenizer.newline_id and tokenizer.newline_id not in tokens[hot[0]:used]
+        assert tokenizer.decode(tokens[hot[0]:used]).startswith("What is the special magic number for")
+    held_out = corpus.validation[2]["weights"]
+    assert 0 < held_out.sum() < 20  # scored on the answer and EOS only
+    config.data.niah.loss_on = "everything"
+    with pytest.raises(UserError, match="data.niah.loss_on='everything'"):
+        data.get_corpus(config)
