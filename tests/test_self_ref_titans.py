@@ -79,6 +79,8 @@ def test_presets_have_their_pinned_sizes(preset):
     ("retain_init", 1.0, "(0, 1)"),
     ("lr_init", 0.0, "(0, 1)"),
     ("conv_size", -1, "integer >= 0"),
+    ("targets", "moving", "chunk, initial"),
+    ("inner_step", "nlms", "plain, normalized"),
 ])
 def test_bad_memory_values_are_refused_naming_the_key(key, value, needle):
     config = self_ref_titans.get_config("tiny")
@@ -106,7 +108,8 @@ def _forward(config, x_BTD):
 
 OVERRIDES = ["read=before_write", "read=chunk_start", "dgd=False", "dgd_output=True", "self_targets=False",
              "adaptive_q=True", "chunk_memory=8", "chunk_other=4", "lr_max=0.25", "expansion=2", "activation=silu",
-             "retain_init=0.9", "lr_init=0.3", "conv_size=2", "conv_init=uniform"]
+             "retain_init=0.9", "lr_init=0.3", "conv_size=2", "conv_init=uniform", "targets=initial",
+             "inner_step=normalized"]
 
 
 @pytest.mark.parametrize("override", [o if o == "read=before_write" else pytest.param(o, marks=pytest.mark.slow)
