@@ -139,6 +139,8 @@ MIGRATIONS = (
     ("model.memory.targets", "chunk", lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("model.memory.inner_step", "plain", lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("data.niah.loss_on", "answer", None),  # skipped where a config has no data.niah section
+    ("data.niah.curriculum", "", None),
+    ("data.babilong.curriculum", "", None),
 )
 
 # Families whose mixers split a sequence over `mesh.sequence` devices: attention (all-gathered K/V) and

@@ -89,6 +89,7 @@ def data_config() -> ml_collections.ConfigDict:
         "min_len": 256,
         "haystack": "builtin",
         "loss_on": "answer",      # or "question" (also the question line), "all" (every token; nlearn.data.haystack)
+        "curriculum": "",         # "256:3000": the first 3000 steps on 256-token windows (nlearn.data.haystack)
         "train_examples": 1_000_000,
         "eval_examples": 200,
     })
@@ -98,6 +99,7 @@ def data_config() -> ml_collections.ConfigDict:
         "tasks": "qa1,qa2,qa3",
         "min_len": 128,
         "haystack": "builtin",
+        "curriculum": "",
         "train_examples": 1_000_000,
         "eval_examples": 200,
     })

@@ -181,6 +181,33 @@ def random_length(rng: np.random.Generator, min_len: int, seq_len: int, make):
         return make(seq_len + 1)
 
 
+_LENGTH_STAGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def length_stages(config: ml_collections.ConfigDict, name: str) -> tuple:
+    """`data.<name>.curriculum = "256:3000"`: the first 3000 steps train on windows of 256 tokens (prompts of
+    [min(min_len, 256), 256] tokens, the tokens per step kept: batch_size * seq_len / 256 rows), then on the
+    task's own windows; stages run in order ("256:2000,384:500" needs 384 to divide seq_len too). Short
+    windows hold little filler, so the model learns the task format there in a fraction of the steps, and the
+    long windows then teach it to keep the facts over a haystack. `((steps, stage config), ...)`."""
+    section, key = config.data[name], f"data.{name}.curriculum"
+    seq_len, stages = int(config.train.seq_len), []
+    for part in [p for p in str(section.get("curriculum", "")).split(",") if p.strip()]:
+        m = _LENGTH_STAGE.match(part)
+        if not m:
+            raise UserError(f"{key}: cannot read stage {part.strip()!r}; expected 'LEN:STEPS' stages separated "
+                            f"by commas, e.g. '256:3000'")
+        length, steps = int(m.group(1)), int(m.group(2))
+        if length < 1 or seq_len % length:
+            raise UserError(f"{key}: stage length {length} must divide train.seq_len={seq_len} (each stage keeps "
+                            f"the tokens per step)")
+        stage = ml_collections.ConfigDict(config.to_dict())
+        stage.train.update(seq_len=length, batch_size=int(config.train.batch_size) * (seq_len // length))
+        stage.data[name].update(min_len=min(int(section.min_len), length), curriculum="")
+        stages.append((steps, stage))
+    return tuple(stages)
+
+
 def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Sequence, make_example,
               needs_words: bool, description: str) -> Corpus:
     """The unpacked token corpus of `data.source=name`: windows of train.seq_len + 1 tokens, each
@@ -200,6 +227,7 @@ def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Seq
     loss_on = str(section.get("loss_on", "answer"))
     if loss_on not in LOSS_ON:
         raise UserError(f"data.{name}.loss_on={loss_on!r}: choose from {', '.join(LOSS_ON)}")
+    stages = length_stages(config, name)
     tokenizer = text_tokenizer(config)
 
     def make_for_split(split):
@@ -224,6 +252,7 @@ def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Seq
                               tokenizer.eos_id),
         vocab_size=tokenizer.vocab_size,
         pack=False,
+        stages=stages,
         accuracy_key=f"{name}_accuracy",
         description=f"{description}; {counts['train_examples']} train / {counts['eval_examples']} eval windows "
                     f"of {seq_len} tokens (seed {seed})",

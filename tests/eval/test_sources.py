@@ -56,3 +56,19 @@ def test_loss_on_the_question_or_every_token(haystack_config, tokenizer, loss_on
     config.data.niah.loss_on = "everything"
     with pytest.raises(UserError, match="data.niah.loss_on='everything'"):
         data.get_corpus(config)
+
+
+def test_length_curriculum_trains_short_windows_first(haystack_config):
+    """data.niah.curriculum="512:2": two batches of 512-token windows (twice the rows, prompts of at most 512
+    tokens), then the task's 1024-token windows; a stage length that does not divide seq_len is refused."""
+    config = haystack_config(source="niah", seq_len=1024, **{"niah.min_len": 768, "niah.curriculum": "512:2"})
+    it = data.make_train_iterator(config)
+    batches = [next(it) for _ in range(3)]
+    assert [b["inputs"].shape for b in batches] == [(4, 512), (4, 512), (2, 1024)]
+    assert all(0 < b["weights"].sum() < 120 for b in batches)
+    config.data.niah.curriculum = "384:5"
+    with pytest.raises(UserError, match="data.niah.curriculum: stage length 384 must divide"):
+        data.get_corpus(config)
+    config.data.niah.curriculum = "512"
+    with pytest.raises(UserError, match="cannot read stage '512'"):
+        data.get_corpus(config)
