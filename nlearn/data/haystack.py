@@ -185,9 +185,9 @@ _LENGTH_STAGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
 def length_stages(config: ml_collections.ConfigDict, name: str) -> tuple:
-    """`data.<name>.curriculum = "256:3000"`: the first 3000 steps train on windows of 256 tokens (prompts of
-    [min(min_len, 256), 256] tokens, the tokens per step kept: batch_size * seq_len / 256 rows), then on the
-    task's own windows; stages run in order ("256:2000,384:500" needs 384 to divide seq_len too). Short
+    """`data.<name>.curriculum = "256:3000"`: the first 3000 steps train on windows of 256 tokens (prompt
+    lengths from min_len scaled by 256 / seq_len, the tokens per step kept: batch_size * seq_len / 256 rows),
+    then on the task's own windows; stages run in order ("256:2000,384:500" needs 384 to divide seq_len too). Short
     windows hold little filler, so the model learns the task format there in a fraction of the steps, and the
     long windows then teach it to keep the facts over a haystack. `((steps, stage config), ...)`."""
     section, key = config.data[name], f"data.{name}.curriculum"
@@ -203,7 +203,7 @@ def length_stages(config: ml_collections.ConfigDict, name: str) -> tuple:
                             f"the tokens per step)")
         stage = ml_collections.ConfigDict(config.to_dict())
         stage.train.update(seq_len=length, batch_size=int(config.train.batch_size) * (seq_len // length))
-        stage.data[name].update(min_len=min(int(section.min_len), length), curriculum="")
+        stage.data[name].update(min_len=max(1, int(section.min_len) * length // seq_len), curriculum="")
         stages.append((steps, stage))
     return tuple(stages)
 
