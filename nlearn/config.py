@@ -138,6 +138,7 @@ MIGRATIONS = (
     ("model.memory.dgd_output", False, lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("model.memory.targets", "chunk", lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("model.memory.inner_step", "plain", lambda c: c.model.family in ("self_ref_titans", "hope")),
+    ("model.memory.read_residual", True, lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("data.niah.loss_on", "answer", None),  # skipped where a config has no data.niah section
     ("data.niah.curriculum", "", None),
     ("data.babilong.curriculum", "", None),

@@ -73,6 +73,7 @@ def test_presets_have_their_pinned_sizes(preset):
     ("dgd_output", 1, "True or False"),
     ("self_targets", 0, "True or False"),
     ("adaptive_q", 1, "True or False"),
+    ("read_residual", 0, "True or False"),
     ("lr_max", 0.0, "(0, 1]"),
     ("lr_max", 1.5, "(0, 1]"),
     ("expansion", 0, "integer >= 1"),
@@ -109,7 +110,7 @@ def _forward(config, x_BTD):
 OVERRIDES = ["read=before_write", "read=chunk_start", "dgd=False", "dgd_output=True", "self_targets=False",
              "adaptive_q=True", "chunk_memory=8", "chunk_other=4", "lr_max=0.25", "expansion=2", "activation=silu",
              "retain_init=0.9", "lr_init=0.3", "conv_size=2", "conv_init=uniform", "targets=initial",
-             "inner_step=normalized"]
+             "inner_step=normalized", "read_residual=False"]
 
 
 @pytest.mark.parametrize("override", [o if o == "read=before_write" else pytest.param(o, marks=pytest.mark.slow)
@@ -136,7 +137,8 @@ def test_each_memory_key_is_a_one_line_override(override):
 
 
 @pytest.mark.parametrize("memory", [dict(), pytest.param(dict(chunk_memory=8, chunk_other=4, read="chunk_start"),
-                                                          marks=pytest.mark.slow)])
+                                                          marks=pytest.mark.slow),
+                                    pytest.param(dict(read_residual=False), marks=pytest.mark.slow)])
 def test_decoding_equals_the_forward_with_a_constant_size_cache(memory):
     """A 5-token prompt, then one token at a time across chunk boundaries of both grids."""
     config = small(**memory)

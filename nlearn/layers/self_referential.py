@@ -3,9 +3,9 @@
 
 Projections to per-head memory inputs x and queries q -> short causal depthwise convs -> SiLU and
 L2 norm -> the op (memories that generate their own keys, values, learning rates, retention and
-targets) -> per-head RMSNorm -> SiLU output gate -> output projection. The memories' initial
-weights and the lr / retain biases are parameters the outer loop meta-learns; decoding carries the
-op's state (constant size) in the cache.
+targets; with `read_residual=False` its read minus the skip q) -> per-head RMSNorm -> SiLU output
+gate -> output projection. The memories' initial weights and the lr / retain biases are parameters
+the outer loop meta-learns; decoding carries the op's state (constant size) in the cache.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class SelfReferentialMixer(nnx.Module):
                             activation=mem.activation, dgd=mem.dgd, dgd_output=mem.dgd_output, read=mem.read,
                             self_targets=mem.self_targets, adaptive_q=mem.adaptive_q, targets=mem.targets,
                             inner_step=mem.inner_step)
+        self.read_residual = mem.read_residual
 
     def weights0(self) -> dict:
         """`{memory: (W_in [H, D, Dh], W_out [H, Dh, D_out])}`, the op's initial weights."""
@@ -110,5 +111,7 @@ class SelfReferentialMixer(nnx.Module):
         else:
             o, state = self._memory(x, q, cache["state"])
             new_cache = {"convs": conv_caches, "state": state}
+        if not self.read_residual:  # the memory's learned part act(q W_in) W_out alone, without the skip q
+            o = o - q
         o = self.out_norm(o).reshape(b, t, -1) * jax.nn.silu(self.gate(x_BTD).astype(jnp.float32))
         return self.o(o.astype(x_BTD.dtype)), new_cache

@@ -34,6 +34,9 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.chunk_memory = 16  # tokens per update chunk of the `memory` (the one that is read)
     c.chunk_other = 64  # tokens per chunk of the generators k, v, lr, retain (one chunk size divides the other)
     c.read = "after_write"  # or "before_write" (eq. 86 literally), "chunk_start" (eq. 90 literally)
+    # The layer reads o = M(q) = q + act(q W_in) W_out; False: act(q W_in) W_out alone (the skip q no longer
+    # swamps what the memory recalls; configs/mqar.py)
+    c.read_residual = True
     c.dgd = True  # delta-gradient descent on the memories' input layers (False: plain GD with retention)
     c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
@@ -77,7 +80,7 @@ def validate(config) -> None:
         _fail("inner_step", mem.inner_step, f"valid choices: {', '.join(INNER_STEPS)}")
     if mem.activation not in ACTIVATIONS:
         _fail("activation", mem.activation, f"valid choices: {', '.join(sorted(ACTIVATIONS))}")
-    for key in ("dgd", "dgd_output", "self_targets", "adaptive_q"):
+    for key in ("dgd", "dgd_output", "self_targets", "adaptive_q", "read_residual"):
         if not isinstance(mem[key], bool):
             _fail(key, mem[key], "must be True or False")
     if not 0.0 < mem.lr_max <= 1.0:
