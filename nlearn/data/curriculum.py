@@ -66,13 +66,19 @@ def parse_curriculum(spec: str, seq_len: int) -> list[Stage]:
     return stages
 
 
+def resized_windows(config: ml_collections.ConfigDict, seq_len: int) -> ml_collections.ConfigDict:
+    """A copy of config that trains on windows of seq_len tokens at the same tokens per step."""
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.train.batch_size = int(config.train.batch_size) * (int(config.train.seq_len) // seq_len)
+    c.train.seq_len = seq_len
+    return c
+
+
 def stage_config(config: ml_collections.ConfigDict, seq_len: int, num_pairs: int,
                  query_start: int = 0) -> ml_collections.ConfigDict:
     """The config of one stage (no curriculum of its own): windows of seq_len tokens with
     num_pairs pairs and queries from query_start, at the tokens per step of config."""
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.train.batch_size = int(config.train.batch_size) * (int(config.train.seq_len) // seq_len)
-    c.train.seq_len = seq_len
+    c = resized_windows(config, seq_len)
     c.data.mqar.num_pairs = num_pairs
     c.data.mqar.query_start = query_start
     c.data.mqar.curriculum = ""

@@ -19,6 +19,7 @@ import numpy as np
 
 from nlearn.data import cache, sources
 from nlearn.data.corpus import Corpus
+from nlearn.data.curriculum import resized_windows
 from nlearn.data.mqar import example_index
 from nlearn.data.tokenizer import PAD_ID, Tokenizer
 from nlearn.errors import UserError
@@ -201,8 +202,7 @@ def length_stages(config: ml_collections.ConfigDict, name: str) -> tuple:
         if length < 1 or seq_len % length:
             raise UserError(f"{key}: stage length {length} must divide train.seq_len={seq_len} (each stage keeps "
                             f"the tokens per step)")
-        stage = ml_collections.ConfigDict(config.to_dict())
-        stage.train.update(seq_len=length, batch_size=int(config.train.batch_size) * (seq_len // length))
+        stage = resized_windows(config, length)
         stage.data[name].update(min_len=max(1, int(section.min_len) * length // seq_len), curriculum="")
         stages.append((steps, stage))
     return tuple(stages)
