@@ -68,10 +68,9 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # read_residual=False: the read M(q) = q + act(q W_in) W_out is mostly the unit query q itself, which swamps
     # the weakly written recall (titans_lmm with memory.residual=True sat on the plateau as well: loss 5.52
     # against 5.05 at step 150); without the skip the loss leaves the 64-token plateau by step ~150 (5.33 against
-    # 5.49-5.51) and seeds 0 / 1 reached 11.2% / 12.5% at step 1000 (0.5-0.7% with the skip). Still far from the
-    # other families: k and v are generated from one x, so the values written are differences of small learned
-    # branches (with the k / v generators' W_out initialised at std 0.125 instead of 0.02: 17.9%, one seed; no
-    # key for it yet).
+    # 5.49-5.51) and seeds 0 / 1 / 2 reached 11.2% / 12.5% / 18.8% at step 1000 (0.5-0.7% with the skip). Still
+    # far from the other families; k and v generators without their skip and a linear memory (activation=identity)
+    # both learnt slower, and the k / v generators' W_out at std 0.125 instead of 0.02 gave 17.9% (seed 0).
     # results/history.md, 2026-12-02. Open.
     "self_ref_titans": {"memory.lr_max": 0.5, "memory.lr_init": 0.5, "memory.retain_init": 0.999,
                         "memory.targets": "initial", "memory.dgd_output": True, "memory.inner_step": "normalized",
