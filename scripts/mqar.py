@@ -1,11 +1,12 @@
 """`make mqar`: train every family on the common MQAR task and write results/mqar.md.
 
 Each family runs `configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar).
-The budget is the preset's step count or `configs/mqar.py`'s TIME_LIMIT_S of wall time, whichever
-comes first: at the limit the trainer gets SIGTERM, saves a checkpoint and exits. Every run's last
-checkpoint is then scored by `nlearn-eval` (the trainer skips its own final evaluation, so scoring
-is not charged to the budget). The table reports accuracy on the answers, parameter count, the
-training process's wall time (start-up, compilation and checkpoints included) and the steps it reached.
+The budget is the preset's step count or `configs/mqar.py`'s TIME_LIMIT_S of wall time (a family's own
+FAMILY_TIME_LIMIT_S where it has one), whichever comes first: at the limit the trainer gets SIGTERM, saves a
+checkpoint and exits. Every run's last checkpoint is then scored by `nlearn-eval` (the trainer skips its own
+final evaluation, so scoring is not charged to the budget). The table reports accuracy on the answers,
+parameter count, the training process's wall time (start-up, compilation and checkpoints included) and the
+steps it reached.
 `--merge` trains only the given families and puts their rows into the existing results/mqar.md (replacing
 a family's old row), with one line under the table saying where and when each merged row was made.
 """
@@ -175,6 +176,18 @@ def curriculum_note(spec: str, batch_size: int, seq_len: int) -> str:
             "evaluation is on the task only.")
 
 
+def time_limit(presets, family: str, override: float | None = None) -> float:
+    """Seconds of wall time for `family`: --time-limit, else the family's own cap, else TIME_LIMIT_S."""
+    return override or presets.FAMILY_TIME_LIMIT_S.get(family, presets.TIME_LIMIT_S)
+
+
+def own_limits(presets, families: list[str]) -> str:
+    """' Per-family wall-time limits: family N minutes; ...' for those of `families` that have one, else ''."""
+    chosen = [f"{f} {presets.FAMILY_TIME_LIMIT_S[f] / 60:g} minutes" for f in families
+              if f in presets.FAMILY_TIME_LIMIT_S]
+    return f" Per-family wall-time limits: {'; '.join(chosen)}." if chosen else ""
+
+
 def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
     """The paragraph above the table: task and budget, from configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
@@ -189,7 +202,7 @@ def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
             f"{curriculum_note(presets.CURRICULUM, budget['batch_size'], task['seq_len'])}")
     text += per_family("Per-family overrides", presets.FAMILY_OVERRIDES, families)
     text += per_family("Per-family training", presets.FAMILY_TRAINING, families)
-    return text + f" Load average {load} at the end."
+    return text + own_limits(presets, families) + f" Load average {load} at the end."
 
 
 def per_family(label: str, by_family: dict[str, dict], families: list[str]) -> str:
@@ -217,7 +230,7 @@ def main():
     parser.add_argument("overrides", nargs="*", help="extra --config.* overrides for every family")
     args = parser.parse_args()
     presets = mqar_presets()
-    limit = args.time_limit or presets.TIME_LIMIT_S
+    limit = args.time_limit or presets.TIME_LIMIT_S  # the table's note; families with their own cap say so
     families = args.families.split(",")
     rows, reused = [], []
     for family in families:
@@ -233,7 +246,8 @@ def main():
             reused.append(family)
         else:
             subprocess.run(["rm", "-rf", workdir])
-            rows.append({**run_family(family, workdir, args.overrides, limit), "preset": fingerprint})
+            seconds = time_limit(presets, family, args.time_limit)
+            rows.append({**run_family(family, workdir, args.overrides, seconds), "preset": fingerprint})
             os.makedirs(workdir, exist_ok=True)
             with open(row_path, "w") as f:
                 json.dump(rows[-1], f)
@@ -247,7 +261,7 @@ def main():
         text = open(path).read()
         for family, row in zip(families, body.split("\n")[2:]):
             settings = per_family("settings", presets.FAMILY_OVERRIDES, [family]) + per_family(
-                "training", presets.FAMILY_TRAINING, [family])
+                "training", presets.FAMILY_TRAINING, [family]) + own_limits(presets, [family])
             stamp = (f"{family}: `python scripts/mqar.py --families={family} --merge` on {machine()}, {date}, "
                      f"load average {load} at the end.{settings}")
             text = merge_rows(text, "\n".join(body.split("\n")[:2] + [row]), stamp)

@@ -27,7 +27,7 @@ def machine(gflops: float | None = None) -> str:
 
         gflops = measure_matmul_gflops()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu_model()}, {cores} cores, f32 matmul {gflops:.0f} GFLOP/s"
+    return f"{cpu_model()}, {cores} core{'s' if cores != 1 else ''}, f32 matmul {gflops:.0f} GFLOP/s"
 
 
 def render(title: str, command: str, table: str, *, machine_text: str, date: str, note: str = "") -> str:

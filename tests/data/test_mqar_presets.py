@@ -58,6 +58,8 @@ def test_every_family_gets_the_common_task_and_budget(presets):
         assert all(lookup(c, key) == value for key, value in own.items())
         assert not set(own) & {"train.seq_len", "data.mqar.num_pairs", "data.vocab_size"}  # the task stays
     assert presets.TIME_LIMIT_S <= 600
+    for family, seconds in presets.FAMILY_TIME_LIMIT_S.items():  # its run ends decayed within its own cap
+        assert 0 < presets.get_config(family).train.time_budget_s < seconds
 
 
 def test_override_typos_are_refused(presets):
@@ -106,6 +108,10 @@ def test_table_and_note():
     text = script.note(presets, ["deltanet", *presets.FAMILY_TRAINING], 600, "1.0")
     for family, own in presets.FAMILY_TRAINING.items():
         assert f"{family}: " + ", ".join(f"{k}={v}" for k, v in own.items()) in text
+    assert script.time_limit(presets, "deltanet") == presets.TIME_LIMIT_S
+    assert script.time_limit(presets, "self_ref_titans") == presets.FAMILY_TIME_LIMIT_S["self_ref_titans"] > 600
+    assert script.time_limit(presets, "self_ref_titans", 60.0) == 60.0  # --time-limit wins
+    assert "wall-time limits: self_ref_titans 30 minutes." in text
     fp = script.preset_fingerprint(presets, "deltanet", [])
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
     assert fp != script.preset_fingerprint(presets, "titans_lmm", [])
