@@ -124,11 +124,12 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 # 6.3-6.8 minutes each; seed 2 left the plateau early, its errors are spread over the later segments: the
 # memory's precision). 1600 steps (WSD, decaying from 800) polish further: seeds 0 / 1 / 2 99.7% /
 # 99.5% / 99.0% (8.1-8.2 minutes each); where 1600 do not fit, train.time_budget_s lowers the total.
-# self_ref_titans: 1000 steps (WSD, decaying from step 500), which its seeds need (median 97.0%, above), take
-# ~16 minutes on two idle cores and ~24 on one: its step costs ~2.5x titans_lmm's (pinned to one core,
-# interleaved: 2.7x at 64 tokens, 2.35x at 256). Within `make mqar`'s 10 minutes on two idle cores the time
-# budget lowered the total to 617 steps: 49.0% (2026-12-02). So it has its own wall-time cap
-# (FAMILY_TIME_LIMIT_S), and train.time_budget_s lowers the total only where even that does not hold 1000.
+# self_ref_titans: 1000 steps (WSD, decaying from step 500), which its seeds need (median 97.0%, above), took
+# 24 minutes on one core (~16 expected on two idle cores, where 617 took 10.2): its step costs ~2.5x
+# titans_lmm's (pinned to one core, interleaved: 2.7x at 64 tokens, 2.35x at 256). Within `make mqar`'s 10
+# minutes on two idle cores the time budget lowered the total to 617 steps: 49.0% (2026-12-02). So it has
+# its own wall-time cap (FAMILY_TIME_LIMIT_S), and train.time_budget_s lowers the total only where even that
+# does not hold 1000.
 FAMILY_TRAINING: dict[str, dict] = {
     "titans_mac": {"data.mqar.curriculum": "64x4:150,128x8:300", "train.steps": 1600,
                    "train.schedule": "wsd", "train.decay_fraction": 0.5, "train.time_budget_s": 570.0},
