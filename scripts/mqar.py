@@ -219,7 +219,8 @@ def main():
     parser.add_argument("--families", default=",".join(DEFAULT_FAMILIES))
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "mqar"))
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds of wall time per family (default: configs/mqar.py TIME_LIMIT_S)")
+                        help="seconds of wall time per family (default: configs/mqar.py FAMILY_TIME_LIMIT_S, "
+                             "else TIME_LIMIT_S)")
     parser.add_argument("--print-only", action="store_true", help="print the table, write no results file")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the row of a family whose workdir holds a row.json trained from the "
