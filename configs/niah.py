@@ -43,6 +43,9 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2},
     "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2},
 }
+# Self-referential memories (self_ref_titans, hope) take configs/mqar.py's memory settings: with the LM defaults
+# (lr_max 0.5, HOPE.md's targets and steps) a write stores under 1% of its error and recall is not learnt.
+SELF_REFERENTIAL_FAMILIES = ("self_ref_titans", "hope")
 
 
 def _mqar_module():
@@ -66,7 +69,10 @@ def get_config(family: str = "titans_lmm"):
         config.data.niah.curriculum = TASK["curriculum"]
         config.data.eval_tokens = 0  # score every eval window
         config.model.update(MODEL)
-        for key, value in FAMILY_OVERRIDES.get(family, {}).items():
+        overrides = dict(FAMILY_OVERRIDES.get(family, {}))
+        if family in SELF_REFERENTIAL_FAMILIES:
+            overrides.update(mqar.FAMILY_OVERRIDES["self_ref_titans"])
+        for key, value in overrides.items():
             mqar._set(config.model, key, value)
         config.train.update(seq_len=TASK["seq_len"], log_every=50, eval_every=0, **BUDGET)
         config.checkpoint.every_steps = 200
