@@ -132,3 +132,14 @@ def test_table_and_note():
         " Curriculum: the first 300 steps of 64 windows of 64 tokens with 4 pairs, then 50 steps of "
         "32 windows of 128 tokens with 8 pairs (the same tokens per step); evaluation is on the task only.")
     assert script.last_json('log\n{"step": 3, "mqar_accuracy": 0.5}\n') == {"step": 3, "mqar_accuracy": 0.5}
+
+
+def test_niah_presets_give_self_referential_memories_the_mqar_settings(presets):
+    niah = load("configs/niah.py", "niah_presets_under_test")
+    recall = presets.FAMILY_OVERRIDES["self_ref_titans"]
+    for family in niah.SELF_REFERENTIAL_FAMILIES:
+        c = niah.get_config(family)
+        config_lib.validate(c)
+        assert c.data.source == "niah" and c.train.seq_len <= 512
+        assert all(lookup(c.model, key) == value for key, value in recall.items()), family
+    assert niah.get_config("hope").model.hope.mixer == "self_referential"  # Hope's own mixer, not attention
