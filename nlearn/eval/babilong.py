@@ -33,15 +33,17 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
             for j in range(samples):
                 rng = np.random.default_rng([babilong.SEED_TAG, EVAL_STREAM, ctx.seed, ti, length, j])
                 ex = babilong.babilong_example(rng, task, tokenizer, length, words)
-                reply = longctx.answer(streamer, tokenizer, ex["prompt_ids"], max_new)
-                score = float(babilong.compare_answers(ex["target"], reply, ex["question"], babilong.TASK_LABELS[task]))
+                reply, finite = longctx.answer(streamer, tokenizer, ex["prompt_ids"], max_new)
+                score = float(finite and babilong.compare_answers(ex["target"], reply, ex["question"],
+                                                                  babilong.TASK_LABELS[task]))
                 scores.append((task, length, 0.5, score))
                 records.append({"variant": task, "length": length, "prompt_tokens": len(ex["prompt_ids"]),
                                 "facts": ex["facts"], "question": ex["question"],
                                 "input": longctx.shorten(ex["prompt"]), "targets": [ex["target"]], "output": reply,
-                                "score": score})
+                                "finite": finite, "score": score})
     result = longctx.table(scores)
     for summary in [result, *result["by_variant"].values()]:
         del summary["by_depth"], summary["by_length_depth"]  # the facts are scattered: no single depth
+    longctx.flag_non_finite(result, records, "babilong")
     result["scoring"] = "BABILong compare_answers (the target is the only task label in the reply's first sentence)"
     return result, records

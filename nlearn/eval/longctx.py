@@ -4,6 +4,7 @@ sample records and accuracy tables by variant, length and depth."""
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Iterable
 
 import numpy as np
@@ -34,10 +35,25 @@ def int_option(ctx, name: str, default: int) -> int:
         raise UserError(f"--option={name}=... must be an integer, got {ctx.options[name]!r}") from None
 
 
-def answer(streamer, tokenizer, prompt_ids, max_new_tokens: int) -> str:
-    """The greedy reply to a prompt, streamed, up to EOS or the end of the line."""
+def answer(streamer, tokenizer, prompt_ids, max_new_tokens: int) -> tuple[str, bool]:
+    """The greedy reply to a prompt, streamed, up to EOS or the end of the line, and whether every logit it
+    was decoded from was finite."""
     stops = tuple(i for i in (tokenizer.eos_id, tokenizer.newline_id) if i >= 0)
-    return tokenizer.decode(streamer.complete([int(i) for i in prompt_ids], max_new_tokens, stops))
+    ids, finite = streamer.complete([int(i) for i in prompt_ids], max_new_tokens, stops, check_finite=True)
+    return tokenizer.decode(ids), finite
+
+
+def flag_non_finite(result: dict, records: list[dict], task: str) -> None:
+    """Count the prompts answered from non-finite logits, by length, into `result["non_finite"]` and warn on
+    stderr: a model whose state overflowed at some length scores 0 there, which measures no recall."""
+    bad = collections.Counter(r["length"] for r in records if not r["finite"])
+    if not bad:
+        return
+    total = collections.Counter(r["length"] for r in records)
+    result["non_finite"] = {str(n): bad[n] for n in sorted(bad)}
+    for n in sorted(bad):
+        print(f"warning: --task={task}: the logits were not finite for {bad[n]} of {total[n]} prompts at {n} "
+              "tokens (the model's state overflowed); those prompts score 0", file=sys.stderr)
 
 
 def shorten(text: str, keep: int = PROMPT_CHARS_KEPT) -> str:

@@ -38,12 +38,14 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
                 rng = np.random.default_rng([niah.SEED_TAG, EVAL_STREAM, ctx.seed, vi, length, j])
                 depth = depths[j % len(depths)]
                 ex = niah.niah_example(rng, variant, tokenizer, length, depth, words)
-                reply = longctx.answer(streamer, tokenizer, ex["prompt_ids"], max_new or len(ex["answer_ids"]) + 4)
-                score = niah.string_match_all(reply, ex["answers"])
+                reply, finite = longctx.answer(streamer, tokenizer, ex["prompt_ids"],
+                                               max_new or len(ex["answer_ids"]) + 4)
+                score = niah.string_match_all(reply, ex["answers"]) if finite else 0.0
                 scores.append((name, length, depth, score))
                 records.append({"variant": name, "length": length, "depth": round(100 * depth),
                                 "prompt_tokens": len(ex["prompt_ids"]), "input": longctx.shorten(ex["prompt"]),
-                                "targets": ex["answers"], "output": reply, "score": score})
+                                "targets": ex["answers"], "output": reply, "finite": finite, "score": score})
     result = longctx.table(scores)
+    longctx.flag_non_finite(result, records, "niah")
     result["scoring"] = "RULER string_match_all (case-insensitive substring, mean over the answers)"
     return result, records

@@ -92,12 +92,17 @@ class Streamer:
             out.append(np.asarray(loss))
         return np.concatenate(out, axis=1)
 
-    def greedy(self, logits_BV, cache, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+    def greedy(self, logits_BV, cache, max_new_tokens: int, stop_ids: Sequence[int] = (),
+               check_finite: bool = False):
         """Greedy continuation from `logits` (after a prefill): per row, the new ids up to (not including)
-        the first of `stop_ids`, at most `max_new_tokens`."""
+        the first of `stop_ids`, at most `max_new_tokens`. With `check_finite`, also per row whether every
+        logit it was decoded from was finite (the argmax of a nan row is meaningless)."""
         rows = [[] for _ in range(logits_BV.shape[0])]
         done = np.zeros(len(rows), bool)
+        finite = np.ones(len(rows), bool)
         for i in range(max_new_tokens):
+            if check_finite:
+                finite &= np.asarray(jnp.isfinite(logits_BV).all(axis=-1)) | done
             token = np.asarray(jnp.argmax(logits_BV, axis=-1), np.int32)
             for r, t in enumerate(token):
                 done[r] |= int(t) in stop_ids
@@ -106,15 +111,19 @@ class Streamer:
             if done.all() or i == max_new_tokens - 1:
                 break
             logits_BV, _, cache = self._step(self.params, jnp.asarray(token[:, None]), None, cache)
-        return rows
+        return (rows, finite) if check_finite else rows
 
     def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                 cache=None) -> list[int]:
-        """Greedy completion of one prompt (batch of one), streamed: the new token ids."""
+                 cache=None, check_finite: bool = False):
+        """Greedy completion of one prompt (batch of one), streamed: the new token ids (and, with
+        `check_finite`, whether every logit they came from was finite)."""
         if cache is None:
             cache = self.init_cache(1, len(prompt_ids) + max_new_tokens)
         logits, cache = self.prefill(np.asarray([prompt_ids], np.int32), cache)
-        return self.greedy(logits, cache, max_new_tokens, stop_ids)[0]
+        if not check_finite:
+            return self.greedy(logits, cache, max_new_tokens, stop_ids)[0]
+        rows, finite = self.greedy(logits, cache, max_new_tokens, stop_ids, check_finite=True)
+        return rows[0], bool(finite[0])
 
 
 def streamer_for(ctx, dtype: Optional[object] = None) -> Streamer:

@@ -89,3 +89,16 @@ def test_bad_variant_names_the_choices():
     with pytest.raises(UserError, match="single_1"):
         niah.parse_variants("single_9", key="--variant")
     assert niah.parse_variants("all") == list(niah.VARIANTS)
+
+
+def test_prompts_answered_from_non_finite_logits_are_counted_and_named(capsys):
+    from nlearn.eval import longctx
+
+    records = [{"length": 512, "finite": True}, {"length": 2048, "finite": False}, {"length": 2048, "finite": True}]
+    result = {}
+    longctx.flag_non_finite(result, records, "niah")
+    assert result["non_finite"] == {"2048": 1}
+    assert "not finite for 1 of 2 prompts at 2048 tokens" in capsys.readouterr().err
+    clean = {}
+    longctx.flag_non_finite(clean, records[:1], "niah")
+    assert "non_finite" not in clean

@@ -33,6 +33,10 @@ def test_greedy_completion_matches_generate():
     first = expected[0]
     assert Streamer(graphdef, params, chunk_size=8).complete(prompt, 6, stop_ids=(first,)) == []
 
+    assert Streamer(graphdef, params, chunk_size=8).complete(prompt, 6, check_finite=True) == (expected, True)
+    overflowed = jax.tree.map(lambda p: p * np.nan, params)  # what a memory whose state overflowed reads out
+    assert Streamer(graphdef, overflowed, chunk_size=8).complete(prompt, 6, check_finite=True)[1] is False
+
 
 def test_sliding_window_cache_stays_bounded():
     config = small_config("transformer", window=8)
