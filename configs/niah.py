@@ -40,8 +40,13 @@ BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="cosine", min_lr_ratio
 FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
-    "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2},
-    "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2},
+    # minibatch 1: a mini-batch takes all its gradients at its start state, so b keys that point alike add up
+    # to one step of ~2·b·lr (x 1/(1 - mu) with momentum), far past the stable 2 at lr 0.2 and b = 16. With
+    # b = 16, titans_mag's second memory grew ~9x per mini-batch (|theta| 1.5e30 at token 512, hidden by the
+    # output RMSNorm) and overflowed at token ~670: nan logits past 1x (results/history.md, 2026-12-02).
+    # One token at a time the step is 2·lr <= 0.4, stable for any momentum; it costs ~20% more per step.
+    "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
+    "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
 }
 # Self-referential memories (self_ref_titans, hope) take configs/mqar.py's memory settings: with the LM defaults
 # (lr_max 0.5, HOPE.md's targets and steps) a write stores under 1% of its error and recall is not learnt.
