@@ -16,11 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW_FAMILIES = ("hope", "self_ref_titans", "titans_mac")  # titans_mac: tests/test_titans.py covers it by default
 
 
-def family_params(families) -> list:
-    """`families` as pytest parameters, the SLOW_FAMILIES marked slow."""
+def family_params(families, also_slow=()) -> list:
+    """`families` as pytest parameters, the SLOW_FAMILIES (and `also_slow`) marked slow."""
     import pytest
 
-    return [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in families]
+    slow = set(SLOW_FAMILIES) | set(also_slow)
+    return [pytest.param(f, marks=pytest.mark.slow) if f in slow else f for f in families]
 
 
 def tiny_overrides(cache_dir: str, text_glob: str, **extra) -> list[str]:

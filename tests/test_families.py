@@ -16,6 +16,8 @@ from nlearn.train.state import make_setup
 from nlearn.train.step import make_train_step
 
 FAMILIES = sorted(models.FAMILIES)
+# tests/test_titans.py checks MAG's and MAL's causality and decoding across segments in the default suite.
+COVERED_ELSEWHERE = ("titans_mag", "titans_mal")
 
 
 def tiny(family, **model):
@@ -28,7 +30,7 @@ def tiny(family, **model):
     return config
 
 
-@pytest.mark.parametrize("family", family_params(FAMILIES))
+@pytest.mark.parametrize("family", family_params(FAMILIES, also_slow=COVERED_ELSEWHERE))
 def test_family_is_finite_and_causal(family):
     """Changing token j leaves every output before j as it was and changes every output from j on
     (the later ones only through the mixer: a model that ignores the context fails too)."""
@@ -44,7 +46,7 @@ def test_family_is_finite_and_causal(family):
         f"{sorted(set((np.nonzero(moved <= 1e-5)[1] + j).tolist()))}"
 
 
-@pytest.mark.parametrize("family", family_params(FAMILIES))
+@pytest.mark.parametrize("family", family_params(FAMILIES, also_slow=COVERED_ELSEWHERE))
 def test_family_decoding_matches_full_forward(family):
     module = models.build(tiny(family))
     decode = jitted(module, "decode")
@@ -58,7 +60,7 @@ def test_family_decoding_matches_full_forward(family):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", family_params(FAMILIES))
+@pytest.mark.parametrize("family", family_params(FAMILIES, also_slow=COVERED_ELSEWHERE))
 def test_train_step_returns_the_types_it_takes(family):
     """The state leaves a train step as it came in (dtype, weak type), so the jitted step compiles
     once, not again at step 2 (a weak-typed initial parameter cost titans_mac 12 s per shape)."""

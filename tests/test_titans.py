@@ -132,7 +132,9 @@ SCHEDULE = [6, 1, 1, 6, 1, 6]
     ("titans_mag", 4, dict(mag_output="gate")),
     ("titans_mal", 4, dict(mal_attn_input="m")),
     # Eqs. 24-25 (the memory written from y, read with y, gating y), and no attention convs.
-    ("titans_mac", 2, dict(mac_memory_input="y", mac_output="gate", attn_conv_size=0)),
+    # (tests/test_titans_twins.py checks this wiring against its slow twin in the default suite.)
+    pytest.param("titans_mac", 2, dict(mac_memory_input="y", mac_output="gate", attn_conv_size=0),
+                 marks=pytest.mark.slow),
     # The memory written from the attention sub-layer's output with its residual.
     pytest.param("titans_mac", 2, dict(mac_memory_input="x+y"), marks=pytest.mark.slow),
 ])

@@ -29,11 +29,10 @@ def test_greedy_completion_matches_generate():
     graphdef, params = split_model(config)
     prompt = [int(t) for t in jax.random.randint(jax.random.key(2), (21,), 0, 97)]
     expected = generate(graphdef, params, prompt, max_new_tokens=6, temperature=0.0)
-    assert Streamer(graphdef, params, chunk_size=8).complete(prompt, 6) == expected
-    first = expected[0]
-    assert Streamer(graphdef, params, chunk_size=8).complete(prompt, 6, stop_ids=(first,)) == []
-
-    assert Streamer(graphdef, params, chunk_size=8).complete(prompt, 6, check_finite=True) == (expected, True)
+    streamer = Streamer(graphdef, params, chunk_size=8)  # one compiled chunk step serves every call
+    assert streamer.complete(prompt, 6) == expected
+    assert streamer.complete(prompt, 6, stop_ids=(expected[0],)) == []
+    assert streamer.complete(prompt, 6, check_finite=True) == (expected, True)
     overflowed = jax.tree.map(lambda p: p * np.nan, params)  # what a memory whose state overflowed reads out
     assert Streamer(graphdef, overflowed, chunk_size=8).complete(prompt, 6, check_finite=True)[1] is False
 
