@@ -8,6 +8,8 @@ greedy replies through the streaming state, BABILong's compare_answers (nlearn.d
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from nlearn.data import babilong, haystack
@@ -30,6 +32,7 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
     scores, records = [], []
     for ti, task in enumerate(tasks):
         for length in lengths:
+            started = time.perf_counter()
             for j in range(samples):
                 rng = np.random.default_rng([babilong.SEED_TAG, EVAL_STREAM, ctx.seed, ti, length, j])
                 ex = babilong.babilong_example(rng, task, tokenizer, length, words)
@@ -41,6 +44,7 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
                                 "facts": ex["facts"], "question": ex["question"],
                                 "input": longctx.shorten(ex["prompt"]), "targets": [ex["target"]], "output": reply,
                                 "finite": finite, "score": score})
+            longctx.report_length("babilong", task, length, [r[3] for r in scores[-samples:]], started)
     result = longctx.table(scores)
     for summary in [result, *result["by_variant"].values()]:
         del summary["by_depth"], summary["by_length_depth"]  # the facts are scattered: no single depth

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import time
 from typing import Iterable
 
 import numpy as np
@@ -54,6 +55,12 @@ def flag_non_finite(result: dict, records: list[dict], task: str) -> None:
     for n in sorted(bad):
         print(f"warning: --task={task}: the logits were not finite for {bad[n]} of {total[n]} prompts at {n} "
               "tokens (the model's state overflowed); those prompts score 0", file=sys.stderr)
+
+
+def report_length(task: str, variant: str, length: int, scores: list[float], started: float) -> None:
+    """One stderr line per (variant, length) swept, so a long sweep shows where it is and how it goes."""
+    print(f"{task} {variant} at {length} tokens: {len(scores)} prompts, accuracy {100 * np.mean(scores):.0f}% "
+          f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
 
 def shorten(text: str, keep: int = PROMPT_CHARS_KEPT) -> str:

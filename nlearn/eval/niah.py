@@ -9,6 +9,8 @@ and length (default 20); `--option=depths=N` the depth grid (default 5: 0, 25, 5
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from nlearn.data import haystack, niah
@@ -34,6 +36,7 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
     for vi, name in enumerate(names):
         variant = niah.VARIANTS[name]
         for length in lengths:
+            started = time.perf_counter()
             for j in range(samples):
                 rng = np.random.default_rng([niah.SEED_TAG, EVAL_STREAM, ctx.seed, vi, length, j])
                 depth = depths[j % len(depths)]
@@ -45,6 +48,7 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
                 records.append({"variant": name, "length": length, "depth": round(100 * depth),
                                 "prompt_tokens": len(ex["prompt_ids"]), "input": longctx.shorten(ex["prompt"]),
                                 "targets": ex["answers"], "output": reply, "finite": finite, "score": score})
+            longctx.report_length("niah", name, length, [r[3] for r in scores[-samples:]], started)
     result = longctx.table(scores)
     longctx.flag_non_finite(result, records, "niah")
     result["scoring"] = "RULER string_match_all (case-insensitive substring, mean over the answers)"

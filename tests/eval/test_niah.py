@@ -102,3 +102,11 @@ def test_prompts_answered_from_non_finite_logits_are_counted_and_named(capsys):
     clean = {}
     longctx.flag_non_finite(clean, records[:1], "niah")
     assert "non_finite" not in clean
+
+
+def test_each_swept_length_reports_one_progress_line(capsys):
+    from nlearn.eval import longctx
+
+    longctx.report_length("niah", "single_1", 8192, [1.0, 0.0, 1.0, 1.0], started=0.0)
+    line = capsys.readouterr().err
+    assert line.startswith("niah single_1 at 8192 tokens: 4 prompts, accuracy 75% (") and line.count("\n") == 1
