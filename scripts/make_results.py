@@ -7,7 +7,8 @@ tables and plots.
 For the tasks it finds it writes niah.md (accuracy by length, and a length x depth heatmap per run,
 niah_<label>.png), per_position.md (every run's loss-by-position curve on one plot, per_position.png),
 lm_eval.md (`--task=perplexity`) and mqar_eval.md (`--task=mqar`). A run is labelled by its model family (plus
-its directory's name when several runs share a family).
+its directory's name when several runs share a family). niah.md keeps, marked †, the rows of its previous version
+that no run of this render replaces (workdirs live in /tmp or on machines that are gone; their figures stay).
 """
 
 from __future__ import annotations
@@ -101,12 +102,15 @@ def multiple(length: int, seq_len) -> str:
     return f"{m:g}x"
 
 
-def niah_table(runs: list[dict]) -> str:
+def niah_table(runs: list[dict], carried: list[dict] = ()) -> str:
     """Accuracy per run and variant (rows) at 1x, 4x, 16x and 32x the run's training window (columns; other
-    lengths scored go to the last column), then a "not run" row for every family without a run."""
+    lengths scored go to the last column), after the rows `carried` over from the previous table (marked), then
+    a "not run" row for every family without a run."""
     heads = [f"{m}x" for m in NIAH_MULTIPLES]
     out = ["| run | variant | trained at | step | " + " | ".join(heads) + " | other lengths | overall |",
            "|---|---|---|---|" + "---|" * (len(heads) + 2)]
+    for c in carried:
+        out += [row.replace(f"| {c['label']} |", f"| {c['label']}{CARRIED} |", 1) for row in c["rows"]]
     for r in runs:
         record = r["evals"]["niah"]
         variants = record.get("by_variant") or {"all": record}
@@ -121,7 +125,7 @@ def niah_table(runs: list[dict]) -> str:
             cells = [by_mult.get(h, "") for h in heads] + [", ".join(other)]
             out.append(f"| {r['label']} | {name} | {r['seq_len'] or '?'} | {record.get('step', '')} | "
                        + " | ".join(cells) + f" | {pct(v.get('accuracy'))} |")
-    done = {r["family"] for r in runs}
+    done = {r["family"] for r in [*runs, *carried]}
     for family in all_families():
         if family not in done:
             out.append(f"| {family} | not run |  |  | " + " | ".join("" for _ in heads) + " |  |  |")
@@ -220,20 +224,70 @@ def niah_commands(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CARRIED = " †"  # after the label of a row carried over from the previous niah.md
+
+
+def row_label(row: str) -> str:
+    """The run label of a niah.md table row, without the carried-over mark."""
+    return row.split(" | ")[0][2:].removesuffix(CARRIED.strip()).strip()
+
+
+def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
+    """The runs of an existing niah.md that no run of this render replaces (same workdir, or same label):
+    `{"label", "family", "workdir", "rows", "commands", "image"}` as that file has them, so a table made on
+    another machine (its workdirs gone with it) keeps its rows when new runs are added; delete the file to
+    start afresh."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    groups = []  # one per run: its indented command lines ("nlearn-train", "nlearn-eval", "# note")
+    for line in text.splitlines():
+        if line.startswith("    nlearn-train "):
+            groups.append([line])
+        elif groups and line.startswith("    ") and not line.startswith("    nlearn-train "):
+            groups[-1].append(line)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run |")
+            and "| not run |" not in line]
+    images = {m.group(1): m.group(0) for m in re.finditer(r"!\[([^\]]*)\]\(([^)]*)\)", text)}
+    live_dirs = {os.path.normpath(r["workdir"]) for r in live}
+    live_labels = {r["label"] for r in live}
+    carried = []
+    for group in groups:
+        family = re.search(r"--config=\S+\.py:(\S+)", group[0])
+        workdir = re.search(r"--workdir=(\S+)", group[0])
+        if not family or not workdir:
+            continue
+        family, workdir = family.group(1), os.path.normpath(workdir.group(1))
+        labels = (family, f"{family} ({os.path.basename(workdir)})")
+        mine = [row for row in rows if row_label(row) in labels]
+        if not mine or workdir in live_dirs or row_label(mine[0]) in live_labels:
+            continue
+        label = row_label(mine[0])
+        carried.append({"label": label, "family": family, "workdir": workdir, "image": images.get(label, ""),
+                        "rows": [row.replace(f"| {label}{CARRIED} |", f"| {label} |", 1) for row in mine],
+                        "commands": [g for g in group if "row carried over" not in g]})
+    return carried
+
+
 def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
     runs = [r for r in runs if "niah" in r["evals"]]
     if not runs:
         return []
-    images = []
+    carried = carried_niah_runs(os.path.join(out_dir, "niah.md"), runs)
+    images = [c["image"] for c in carried if c["image"]]
     for r in runs:
         name = f"niah_{file_label(r['label'])}.png"
         niah_heatmap(r["label"], r["evals"]["niah"], os.path.join(out_dir, name))
         images.append(f"![{r['label']}]({name})")
     scoring = runs[0]["evals"]["niah"].get("scoring", "")
+    commands = [line for c in carried for line in c["commands"] + [
+        f"    # Not among this render's workdirs: row carried over from the previous render ({CARRIED.strip()})."]]
     note = ("Accuracy at 1x, 4x, 16x and 32x the run's training window (\"trained at\", tokens; the prompt length "
             "in brackets, reply included as RULER counts it)" + (f"; scoring: {scoring}" if scoring else "")
-            + ". Heatmaps: length x needle depth, all variants. The runs:\n\n" + niah_commands(runs))
-    table = niah_table(runs) + "\n\n" + "\n".join(images)
+            + ". Heatmaps: length x needle depth, all variants. The runs:\n\n"
+            + "\n".join(commands + [niah_commands(runs)]))
+    table = niah_table(runs, carried) + "\n\n" + "\n".join(images)
     return [write_results("niah.md", "Needle in a haystack", command, table, note, directory=out_dir)]
 
 

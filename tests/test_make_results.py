@@ -73,6 +73,25 @@ def test_make_results_writes_tables_and_plots(tmp_path):
     assert "| deltanet (mqar_a) | 7 | 448 | 88% |" in mqar and "| deltanet (mqar_b) | 7 | 448 | 25% |" in mqar
 
 
+def test_niah_table_keeps_rows_of_runs_not_rendered_again(tmp_path):
+    make_results, out = load_script("make_results"), tmp_path / "results"
+    write_run(tmp_path / "a", "lmm", niah_record("titans_lmm", 16, {16: 1.0, 64: 0.5}))
+    make_results.main([str(tmp_path / "a" / "*"), "--out", str(out)])
+    write_run(tmp_path / "b", "dn", niah_record("deltanet", 16, {16: 0.75}))
+    make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])
+    niah = (out / "niah.md").read_text()
+    assert "| titans_lmm † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah  # carried over, marked
+    assert "| deltanet | single_1 | 16 | 40 | 75% (16) |" in niah and "| titans_lmm | not run |" not in niah
+    assert f"--workdir={tmp_path / 'a' / 'lmm'} --config.train.batch_size=4" in niah  # its commands kept
+    assert "(niah_titans_lmm.png)" in niah and "row carried over" in niah
+    make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])  # a third render: still there, once
+    assert (out / "niah.md").read_text().count("| titans_lmm † |") == 1
+    make_results.main([str(tmp_path / "a" / "*"), "--out", str(out)])  # rendered again: replaced, unmarked
+    niah = (out / "niah.md").read_text()
+    assert niah.count("| titans_lmm | single_1 |") == 1 and "| titans_lmm † |" not in niah
+    assert "| deltanet † | single_1 |" in niah
+
+
 def test_make_results_says_when_nothing_is_there(tmp_path):
     with pytest.raises(SystemExit, match="no eval/\\*.json"):
         load_script("make_results").main([str(tmp_path / "*"), "--out", str(tmp_path / "out")])
