@@ -266,7 +266,7 @@ def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
         label = row_label(mine[0])
         carried.append({"label": label, "family": family, "workdir": workdir, "image": images.get(label, ""),
                         "rows": [row.replace(f"| {label}{CARRIED} |", f"| {label} |", 1) for row in mine],
-                        "commands": [g for g in group if "row carried over" not in g]})
+                        "commands": group})
     return carried
 
 
@@ -281,12 +281,12 @@ def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
         niah_heatmap(r["label"], r["evals"]["niah"], os.path.join(out_dir, name))
         images.append(f"![{r['label']}]({name})")
     scoring = runs[0]["evals"]["niah"].get("scoring", "")
-    commands = [line for c in carried for line in c["commands"] + [
-        f"    # Not among this render's workdirs: row carried over from the previous render ({CARRIED.strip()})."]]
+    commands = [line for c in carried for line in c["commands"]]
     note = ("Accuracy at 1x, 4x, 16x and 32x the run's training window (\"trained at\", tokens; the prompt length "
             "in brackets, reply included as RULER counts it)" + (f"; scoring: {scoring}" if scoring else "")
-            + ". Heatmaps: length x needle depth, all variants. The runs:\n\n"
-            + "\n".join(commands + [niah_commands(runs)]))
+            + ". Heatmaps: length x needle depth, all variants."
+            + (f" Rows marked{CARRIED} are kept from an earlier render whose workdirs this one did not read."
+               if carried else "") + " The runs:\n\n" + "\n".join(commands + [niah_commands(runs)]))
     table = niah_table(runs, carried) + "\n\n" + "\n".join(images)
     return [write_results("niah.md", "Needle in a haystack", command, table, note, directory=out_dir)]
 

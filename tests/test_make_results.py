@@ -83,7 +83,7 @@ def test_niah_table_keeps_rows_of_runs_not_rendered_again(tmp_path):
     assert "| titans_lmm † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah  # carried over, marked
     assert "| deltanet | single_1 | 16 | 40 | 75% (16) |" in niah and "| titans_lmm | not run |" not in niah
     assert f"--workdir={tmp_path / 'a' / 'lmm'} --config.train.batch_size=4" in niah  # its commands kept
-    assert "(niah_titans_lmm.png)" in niah and "row carried over" in niah
+    assert "(niah_titans_lmm.png)" in niah and "Rows marked † are kept" in niah
     make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])  # a third render: still there, once
     assert (out / "niah.md").read_text().count("| titans_lmm † |") == 1
     make_results.main([str(tmp_path / "a" / "*"), "--out", str(out)])  # rendered again: replaced, unmarked
