@@ -245,7 +245,7 @@ def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
     for line in text.splitlines():
         if line.startswith("    nlearn-train "):
             groups.append([line])
-        elif groups and line.startswith("    ") and not line.startswith("    nlearn-train "):
+        elif groups and line.startswith("    "):
             groups[-1].append(line)
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run |")
             and "| not run |" not in line]
