@@ -16,4 +16,4 @@ PRESETS = {
 
 
 def get_config(preset: str = "tiny"):
-    return family_config("deltanet", PRESETS, preset, memory=linear_memory())
+    return family_config("deltanet", PRESETS, preset, memory=linear_memory(qk_activation="silu"))

@@ -44,6 +44,34 @@ def test_conv_init_choices():
         config_lib.validate(config)
 
 
+def test_delta_rule_qk_activation():
+    """SiLU (the default) makes unit keys that all overlap; identity's signed ones are near orthogonal on
+    random input; an unknown choice is refused naming the key."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from nlearn import config as config_lib
+    from nlearn.errors import UserError
+    from nlearn.layers.memory_mixer import DeltaNetMixer
+
+    def mean_key_overlap(model_config):  # mean cosine between distinct tokens' keys, per head
+        x = 10 * jax.random.normal(jax.random.key(0), (1, 64, model_config.d_model))  # O(1) pre-activations
+        k = DeltaNetMixer(model_config, rngs=nnx.Rngs(0)).project(x)[1][0]  # [T, H, D]
+        assert jnp.allclose(jnp.linalg.norm(k, axis=-1), 1.0, atol=1e-4)
+        cos = jnp.einsum("thd,shd->hts", k, k)
+        return float((cos.sum() - cos.trace(axis1=1, axis2=2).sum()) / (cos.size - cos.shape[0] * 64))
+
+    config = load_family_config("deltanet")
+    assert mean_key_overlap(config.model) > 0.2
+    config.model.memory.qk_activation = "identity"
+    config_lib.validate(config)
+    assert abs(mean_key_overlap(config.model)) < 0.1
+    config.model.memory.qk_activation = "relu"
+    with pytest.raises(UserError, match="model.memory.qk_activation='relu'"):
+        config_lib.validate(config)
+
+
 def test_decay_init_sets_the_forgetting_gates_start():
     """memory.decay_init is alpha at initialisation (the gate's bias is its logit); the default is
     the former hard-coded sigmoid(-4); values outside (0, 1) are refused naming the key."""

@@ -182,12 +182,17 @@ class DeltaNetMixer(MemoryMixer):
     """DeltaNet (Schlag et al., Yang et al.): SiLU + L2-normalised q, k; `beta = sigmoid(x W_b)`.
 
     With `gated=True` it is Gated DeltaNet: `log a_t = -exp(A) * softplus(x W_a + dt_bias)`.
+    `memory.qk_activation="identity"` drops the SiLU before the L2 norm: signed keys can be orthogonal,
+    where SiLU's mostly positive ones all overlap.
     """
+
+    QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x}
 
     def __init__(self, cfg, *, gated: bool = False, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         self.beta = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.gated = gated
+        self.qk_activation = self.QK_ACTIVATIONS[cfg.memory.get("qk_activation", "silu")]
         if gated:
             self.decay = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
             # Mamba-2 style init: A in [1, 16], softplus(dt_bias) in [1e-3, 0.1] (log-uniform).
@@ -198,7 +203,7 @@ class DeltaNetMixer(MemoryMixer):
             self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), out_sharding=("heads",), eager_sharding=False)
 
     def featurize(self, q, k, v):
-        return l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)
+        return l2_normalize(self.qk_activation(q)), l2_normalize(self.qk_activation(k)), jax.nn.silu(v)
 
     def gates(self, x_BTD):
         beta = jax.nn.sigmoid(self.beta(x_BTD).astype(jnp.float32))

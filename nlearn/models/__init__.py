@@ -37,6 +37,11 @@ def validate_config(config) -> None:
     if memory is not None and memory.conv_init not in ShortConv.INITS:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
+    if memory is not None and "qk_activation" in memory:
+        from nlearn.layers.memory_mixer import DeltaNetMixer
+        if memory.qk_activation not in DeltaNetMixer.QK_ACTIVATIONS:
+            raise UserError(f"invalid config value model.memory.qk_activation={memory.qk_activation!r}: valid "
+                            f"choices: {', '.join(DeltaNetMixer.QK_ACTIVATIONS)}")
     family = FAMILIES[config.model.family]
     _validate_layers(config)
     if family.validate is not None:
