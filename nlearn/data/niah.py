@@ -208,6 +208,13 @@ def string_match_all(prediction: str, references: list[str]) -> float:
     return sum(ref.lower() in pred for ref in references) / len(references)
 
 
+def char_matches(prediction: str, answer: str) -> list[bool]:
+    """Whether each character of `answer` is where it belongs in the reply (leading spaces stripped, case
+    ignored): the diagnostic behind `by_length_char`, e.g. which of a value's seven digits a model loses."""
+    pred = prediction.lstrip().lower()
+    return [i < len(pred) and pred[i] == c for i, c in enumerate(answer.lower())]
+
+
 def parse_variants(spec: str, key: str = "data.niah.variants") -> list[str]:
     return haystack.parse_names(spec, VARIANTS, key)
 

@@ -4,7 +4,9 @@ greedy decoding through the streaming state, RULER's string_match_all score (nle
 `--variant` picks single_1 (default), ..., multiquery, a comma list, or all; `--lengths` the prompt lengths
 in tokens (reply included, as RULER counts them; default train.seq_len); `--samples` prompts per variant
 and length (default 20); `--option=depths=N` the depth grid (default 5: 0, 25, 50, 75, 100%);
-`--option=max_new_tokens=N` the reply budget (default: the answer's tokens + 4).
+`--option=max_new_tokens=N` the reply budget (default: the answer's tokens + 4). Besides RULER's score, the
+JSON's `by_length_char` gives, for one-answer prompts, the fraction of replies right at each character of the
+value (which digits are lost with length).
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
                                 "targets": ex["answers"], "output": reply, "finite": finite, "score": score})
             longctx.report_length("niah", name, length, [r[3] for r in scores[-samples:]], started)
     result = longctx.table(scores)
+    result["by_length_char"] = char_accuracy(records)
     longctx.flag_non_finite(result, records, "niah")
     result["scoring"] = "RULER string_match_all (case-insensitive substring, mean over the answers)"
     return result, records
+
+
+def char_accuracy(records: list[dict]) -> dict[str, list[float]]:
+    """{length: [fraction of one-answer replies right at character i of the answer]}, the answers of one length
+    being equally long (RULER's values are); lengths with none or mixed answer lengths are left out."""
+    by_length: dict[int, list[list[bool]]] = {}
+    for r in records:
+        if len(r["targets"]) == 1:
+            by_length.setdefault(r["length"], []).append(niah.char_matches(r["output"], r["targets"][0]))
+    return {str(length): [round(float(x), 4) for x in np.mean(rows, axis=0)]
+            for length, rows in by_length.items() if len({len(row) for row in rows}) == 1}

@@ -48,6 +48,7 @@ def test_niah_through_the_cli(tmp_path, haystack_config):
     assert line["task"] == "niah" and line["step"] == 0 and 0.0 <= line["accuracy"] <= 1.0
     assert list(line["by_length"]) == ["512", "1024"] and list(line["by_depth"]) == ["0", "100"]
     assert list(line["by_variant"]) == ["single_1"] and set(line["by_length_depth"]["1024"]) == {"0", "100"}
+    assert list(line["by_length_char"]) == ["512", "1024"] and all(len(v) == 7 for v in line["by_length_char"].values())
     assert "niah single_1 at 1024 tokens: 2 prompts, accuracy" in proc.stderr  # progress, one line per length
     records = [json.loads(r) for r in open(f"{workdir}/eval/niah.samples.jsonl")]
     assert len(records) == 4 and all(len(r["targets"][0]) == 7 and "output" in r for r in records)

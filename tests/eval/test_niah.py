@@ -85,6 +85,24 @@ def test_string_match_all_and_its_near_misses():
     assert score("ABCDEF01-AAAA-4BBB-8CCC-000000000000", ["abcdef01-aaaa-4bbb-8ccc-000000000000"]) == 1.0
 
 
+def test_char_matches_find_the_lost_digits():
+    assert niah.char_matches(" 1234567.", "1234567") == [True] * 7
+    assert niah.char_matches("9234567", "1234567") == [False] + [True] * 6  # the first digit
+    assert niah.char_matches("12345", "1234567") == [True] * 5 + [False] * 2  # cut short
+    assert niah.char_matches("", "12") == [False, False]
+    assert niah.char_matches("ABC", "abc") == [True] * 3
+
+
+def test_char_accuracy_by_length_skips_multi_answer_prompts():
+    from nlearn.eval.niah import char_accuracy
+    records = [{"length": 512, "targets": ["1234567"], "output": "1234567."},
+               {"length": 512, "targets": ["1234567"], "output": "9234560"},
+               {"length": 512, "targets": ["1111111", "2222222"], "output": "0000000"},
+               {"length": 2048, "targets": ["12"], "output": "10"},
+               {"length": 2048, "targets": ["123"], "output": "123"}]  # mixed answer lengths: left out
+    assert char_accuracy(records) == {"512": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]}
+
+
 def test_bad_variant_names_the_choices():
     with pytest.raises(UserError, match="single_1"):
         niah.parse_variants("single_9", key="--variant")
