@@ -232,11 +232,10 @@ def row_label(row: str) -> str:
     return row.split(" | ")[0][2:].removesuffix(CARRIED.strip()).strip()
 
 
-def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
-    """The runs of an existing niah.md that no run of this render replaces (same workdir, or same label):
-    `{"label", "family", "workdir", "rows", "commands", "image"}` as that file has them, so a table made on
-    another machine (its workdirs gone with it) keeps its rows when new runs are added; delete the file to
-    start afresh."""
+def earlier_niah_runs(path: str) -> list[dict]:
+    """The runs an existing niah.md shows, `{"label", "family", "workdir", "rows", "commands", "image"}`, read
+    back from its command block, table and image lines: the only place their figures survive once a workdir is
+    gone (workdirs live in /tmp or on machines that are given back)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -250,9 +249,7 @@ def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run |")
             and "| not run |" not in line]
     images = {m.group(1): m.group(0) for m in re.finditer(r"!\[([^\]]*)\]\(([^)]*)\)", text)}
-    live_dirs = {os.path.normpath(r["workdir"]) for r in live}
-    live_labels = {r["label"] for r in live}
-    carried = []
+    earlier = []
     for group in groups:
         family = re.search(r"--config=\S+\.py:(\S+)", group[0])
         workdir = re.search(r"--workdir=(\S+)", group[0])
@@ -261,13 +258,28 @@ def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
         family, workdir = family.group(1), os.path.normpath(workdir.group(1))
         labels = (family, f"{family} ({os.path.basename(workdir)})")
         mine = [row for row in rows if row_label(row) in labels]
-        if not mine or workdir in live_dirs or row_label(mine[0]) in live_labels:
+        if not mine:
             continue
         label = row_label(mine[0])
-        carried.append({"label": label, "family": family, "workdir": workdir, "image": images.get(label, ""),
+        earlier.append({"label": label, "family": family, "workdir": workdir, "image": images.get(label, ""),
                         "rows": [row.replace(f"| {label}{CARRIED} |", f"| {label} |", 1) for row in mine],
                         "commands": group})
-    return carried
+    return earlier
+
+
+def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
+    """The runs of an existing niah.md that no run of this render replaces: only a run of the same workdir
+    does, or one of the same directory name and family (a workdir copied elsewhere). A live run whose short
+    label an earlier run of another workdir holds is relabelled with its directory's name first, so a new run
+    of a family never takes the place of that family's earlier row. Delete the file to start afresh."""
+    earlier = earlier_niah_runs(path)
+    for r in live:
+        workdir = os.path.normpath(r["workdir"])
+        if any(e["label"] == r["label"] and e["workdir"] != workdir for e in earlier):
+            r["label"] = f"{r['family']} ({os.path.basename(workdir)})"
+    live_dirs = {os.path.normpath(r["workdir"]) for r in live}
+    live_labels = {r["label"] for r in live}
+    return [e for e in earlier if e["workdir"] not in live_dirs and e["label"] not in live_labels]
 
 
 def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:

@@ -92,6 +92,19 @@ def test_niah_table_keeps_rows_of_runs_not_rendered_again(tmp_path):
     assert "| deltanet † | single_1 |" in niah
 
 
+def test_a_new_run_of_a_family_does_not_take_the_place_of_its_earlier_row(tmp_path):
+    make_results, out = load_script("make_results"), tmp_path / "results"
+    write_run(tmp_path / "a", "preset", niah_record("titans_mac", 16, {16: 1.0, 64: 0.5}))
+    make_results.main([str(tmp_path / "a" / "*"), "--out", str(out)])
+    write_run(tmp_path / "b", "mixture", niah_record("titans_mac", 16, {16: 0.25}))
+    make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])
+    niah = (out / "niah.md").read_text()
+    assert "| titans_mac † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah  # the earlier row, kept
+    assert "| titans_mac (mixture) | single_1 | 16 | 40 | 25% (16) |" in niah  # the new one, by its directory
+    assert "(niah_titans_mac.png)" in niah and "(niah_titans_mac_mixture.png)" in niah
+    assert (out / "niah_titans_mac.png").exists() and (out / "niah_titans_mac_mixture.png").exists()
+
+
 def test_make_results_says_when_nothing_is_there(tmp_path):
     with pytest.raises(SystemExit, match="no eval/\\*.json"):
         load_script("make_results").main([str(tmp_path / "*"), "--out", str(tmp_path / "out")])
