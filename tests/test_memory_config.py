@@ -72,6 +72,30 @@ def test_delta_rule_qk_activation():
         config_lib.validate(config)
 
 
+def test_delta_rule_beta_min_bounds_the_write_strength():
+    """memory.beta_min lifts every write's beta into [beta_min, 1) (0, the default, is plain sigmoid);
+    values outside [0, 1) are refused naming the key."""
+    import jax
+    from flax import nnx
+
+    from nlearn import config as config_lib
+    from nlearn.errors import UserError
+    from nlearn.layers.memory_mixer import DeltaNetMixer
+
+    config = load_family_config("deltanet")
+    x = 30 * jax.random.normal(jax.random.key(0), (1, 64, config.model.d_model))  # saturates the sigmoid
+    (beta,) = DeltaNetMixer(config.model, rngs=nnx.Rngs(0)).gates(x)
+    assert float(beta.min()) < 0.05
+    config.model.memory.beta_min = 0.5
+    config_lib.validate(config)
+    (lifted,) = DeltaNetMixer(config.model, rngs=nnx.Rngs(0)).gates(x)
+    assert float(lifted.min()) >= 0.5 and float(lifted.max()) <= 1.0
+    assert jax.numpy.allclose(lifted, 0.5 + 0.5 * beta)
+    config.model.memory.beta_min = 1.0
+    with pytest.raises(UserError, match="model.memory.beta_min=1.0"):
+        config_lib.validate(config)
+
+
 def test_decay_init_sets_the_forgetting_gates_start():
     """memory.decay_init is alpha at initialisation (the gate's bias is its logit); the default is
     the former hard-coded sigmoid(-4); values outside (0, 1) are refused naming the key."""

@@ -183,7 +183,9 @@ class DeltaNetMixer(MemoryMixer):
 
     With `gated=True` it is Gated DeltaNet: `log a_t = -exp(A) * softplus(x W_a + dt_bias)`.
     `memory.qk_activation="identity"` drops the SiLU before the L2 norm: signed keys can be orthogonal,
-    where SiLU's mostly positive ones all overlap.
+    where SiLU's mostly positive ones all overlap. `memory.beta_min` > 0 bounds every write's strength from
+    below (`beta = beta_min + (1 - beta_min) sigmoid(x W_b)`): weak writes make the state converge over a
+    repeated input so slowly that a short training window never shows its long-run value.
     """
 
     QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x}
@@ -193,6 +195,7 @@ class DeltaNetMixer(MemoryMixer):
         self.beta = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.gated = gated
         self.qk_activation = self.QK_ACTIVATIONS[cfg.memory.get("qk_activation", "silu")]
+        self.beta_min = float(cfg.memory.get("beta_min", 0.0))
         if gated:
             self.decay = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
             # Mamba-2 style init: A in [1, 16], softplus(dt_bias) in [1e-3, 0.1] (log-uniform).
@@ -207,6 +210,8 @@ class DeltaNetMixer(MemoryMixer):
 
     def gates(self, x_BTD):
         beta = jax.nn.sigmoid(self.beta(x_BTD).astype(jnp.float32))
+        if self.beta_min:
+            beta = self.beta_min + (1.0 - self.beta_min) * beta
         if not self.gated:
             return (beta,)
         dt = jax.nn.softplus(self.decay(x_BTD).astype(jnp.float32) + self.dt_bias[...])

@@ -42,6 +42,8 @@ def validate_config(config) -> None:
         if memory.qk_activation not in DeltaNetMixer.QK_ACTIVATIONS:
             raise UserError(f"invalid config value model.memory.qk_activation={memory.qk_activation!r}: valid "
                             f"choices: {', '.join(DeltaNetMixer.QK_ACTIVATIONS)}")
+    if memory is not None and "beta_min" in memory and not 0.0 <= memory.beta_min < 1.0:
+        raise UserError(f"invalid config value model.memory.beta_min={memory.beta_min}: must be in [0, 1)")
     family = FAMILIES[config.model.family]
     _validate_layers(config)
     if family.validate is not None:
