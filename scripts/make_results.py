@@ -256,8 +256,10 @@ def earlier_niah_runs(path: str) -> list[dict]:
         if not family or not workdir:
             continue
         family, workdir = family.group(1), os.path.normpath(workdir.group(1))
-        labels = (family, f"{family} ({os.path.basename(workdir)})")
-        mine = [row for row in rows if row_label(row) in labels]
+        # A run relabelled by its directory owns that label; the family's bare label only where it has none.
+        by_dir = f"{family} ({os.path.basename(workdir)})"
+        mine = ([row for row in rows if row_label(row) == by_dir]
+                or [row for row in rows if row_label(row) == family])
         if not mine:
             continue
         label = row_label(mine[0])

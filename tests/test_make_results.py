@@ -103,6 +103,12 @@ def test_a_new_run_of_a_family_does_not_take_the_place_of_its_earlier_row(tmp_pa
     assert "| titans_mac (mixture) | single_1 | 16 | 40 | 25% (16) |" in niah  # the new one, by its directory
     assert "(niah_titans_mac.png)" in niah and "(niah_titans_mac_mixture.png)" in niah
     assert (out / "niah_titans_mac.png").exists() and (out / "niah_titans_mac_mixture.png").exists()
+    write_run(tmp_path / "c", "other", niah_record("deltanet", 16, {16: 0.75}))
+    make_results.main([str(tmp_path / "c" / "*"), "--out", str(out)])  # both titans_mac rows are carried now
+    niah = (out / "niah.md").read_text()
+    assert "| titans_mac † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah
+    assert "| titans_mac (mixture) † | single_1 | 16 | 40 | 25% (16) |" in niah
+    assert niah.count("| titans_mac † |") == 1 and "(niah_titans_mac_mixture.png)" in niah
 
 
 def test_make_results_says_when_nothing_is_there(tmp_path):
