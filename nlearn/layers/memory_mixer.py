@@ -209,9 +209,7 @@ class DeltaNetMixer(MemoryMixer):
         return l2_normalize(self.qk_activation(q)), l2_normalize(self.qk_activation(k)), jax.nn.silu(v)
 
     def gates(self, x_BTD):
-        beta = jax.nn.sigmoid(self.beta(x_BTD).astype(jnp.float32))
-        if self.beta_min:
-            beta = self.beta_min + (1.0 - self.beta_min) * beta
+        beta = self.beta_min + (1.0 - self.beta_min) * jax.nn.sigmoid(self.beta(x_BTD).astype(jnp.float32))
         if not self.gated:
             return (beta,)
         dt = jax.nn.softplus(self.decay(x_BTD).astype(jnp.float32) + self.dt_bias[...])
