@@ -65,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.min_lr_ratio = 0.1  # the schedule decays to lr * min_lr_ratio
     c.train.schedule = "cosine"  # after warmup: "cosine", or "wsd" (constant, then linear decay)
     c.train.decay_fraction = 0.2  # "wsd": the last fraction of the steps that decays
+    c.train.decay_steps = 0  # "cosine": the step where it reaches its floor and stays (0: train.steps)
     c.train.warmup_steps = 100
     c.train.weight_decay = 0.1
     c.train.b1 = 0.9
@@ -75,6 +76,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.eval_every = 0  # 0: evaluate only at the end
     c.train.final_eval = True  # evaluate at the end; False leaves scoring to `nlearn-eval --workdir`
+    # Recurrent families: probability that a batch row starts from the state its previous window ended in
+    # (nlearn.train.state_passing; trains on the states long inputs reach). 0: every window starts fresh.
+    c.train.state_passing = 0.0
+    c.train.state_passing_from = 0  # the first step that passes states (post-training: a model learns first)
     c.train.peak_gflops = 0.0  # for MFU; 0: measure this machine's f32 matmul rate at start
     # Benchmark options (nlearn.train.benchmark). XLA:CPU optimisation preset of the train/eval steps
     # ("default", "fast_compile", "fast_runtime"); ignored off the CPU.
@@ -119,7 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
 MIGRATIONS = (
     ("train.schedule", "cosine", None),
     ("train.decay_fraction", 0.2, None),
+    ("train.decay_steps", 0, None),
     ("train.final_eval", True, None),
+    ("train.state_passing", 0.0, None),
+    ("train.state_passing_from", 0, None),
     ("train.cpu_opt_preset", "default", None),
     ("train.time_budget_s", 0.0, None),
     ("model.remat_policy", "full", None),
@@ -198,6 +206,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("train.min_lr_ratio", config.train.min_lr_ratio, "must be in [0, 1]")
     if config.train.schedule not in SCHEDULES:
         _fail("train.schedule", config.train.schedule, f"valid: {', '.join(SCHEDULES)}")
+    if not 0 <= config.train.decay_steps <= config.train.steps:
+        _fail("train.decay_steps", config.train.decay_steps, f"must be in [0, train.steps={config.train.steps}]")
+    if config.train.decay_steps and config.train.schedule != "cosine":
+        _fail("train.decay_steps", config.train.decay_steps, "is for train.schedule=cosine (wsd: train.decay_fraction)")
     if not 0 < config.train.decay_fraction <= 1:
         _fail("train.decay_fraction", config.train.decay_fraction, "must be in (0, 1]")
     budget = config.train.time_budget_s
@@ -235,6 +247,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("mesh.rules", config.mesh.rules, f"must be a JSON list of [logical, mesh_axis] pairs ({e})")
     distributed.validate(config)
     models.validate_config(config)
+    _validate_state_passing(config)
+
+
+def _validate_state_passing(config) -> None:
+    p = config.train.state_passing
+    if not 0 <= p < 1:
+        _fail("train.state_passing", p, "must be in [0, 1) (the probability a row continues its previous state)")
+    if config.train.state_passing_from < 0:
+        _fail("train.state_passing_from", config.train.state_passing_from, "must be >= 0 (a step)")
+    if p and config.train.grad_accum != 1:
+        _fail("train.state_passing", p, "needs train.grad_accum=1 (each row carries one state)")
+    if p:
+        from nlearn.train import state_passing
+        state_passing.batch_axes(config)  # a UserError for a family without a fixed-size state
 
 
 def _validate_sequence(config) -> None:

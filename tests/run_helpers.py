@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,3 +55,19 @@ def load_family_config(family: str, preset: str = "tiny"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(preset)
+
+
+def kill_after_checkpoint_and_resume(workdir, cmd: list[str], step: int, timeout: int = 600):
+    """Run `cmd` in ROOT, SIGKILL it right after its step-`step` checkpoint appears in `workdir`, rerun it;
+    the rerun's CompletedProcess (checked to have resumed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", str(step))) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not os.path.exists(os.path.join(workdir, "eval.json"))  # really interrupted
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert "resuming from checkpoint at step" in resumed.stdout, resumed.stdout + resumed.stderr
+    return resumed

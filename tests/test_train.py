@@ -3,10 +3,8 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,7 @@ import numpy as np
 import pytest
 
 import transformer as transformer_config
-from run_helpers import ROOT, load_family_config, run_cli, tiny_overrides
+from run_helpers import ROOT, kill_after_checkpoint_and_resume, load_family_config, run_cli, tiny_overrides
 from nlearn.train.state import make_setup
 from nlearn.train.step import make_train_step
 
@@ -91,17 +89,7 @@ def test_run_writes_metrics_config_and_checkpoints(reference_run):
 
 def _kill_after_step_6_and_resume(workdir, cmd) -> dict:
     """Run `cmd`, SIGKILL it right after its step-6 checkpoint, rerun it; the resumed run's eval.json."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while not os.path.isdir(workdir / "checkpoints" / "6") and time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not os.path.exists(workdir / "eval.json")  # really interrupted
-    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert "resuming from checkpoint at step" in resumed.stdout
-    return _final(resumed)
+    return _final(kill_after_checkpoint_and_resume(workdir, cmd, 6))
 
 
 def test_sigkill_then_restart_resumes_exactly(tmp_path, cache_dir, text_corpus, reference_run):
@@ -261,10 +249,19 @@ def test_wsd_holds_the_peak_then_decays_linearly_to_the_floor():
                                [0.0, 0.5, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6, atol=1e-7)
     # cosine: halfway through the decay (step 55 of 10..100) it is halfway between peak and floor
     np.testing.assert_allclose([float(cosine(s)) for s in (10, 55, 100)], [1.0, 0.55, 0.1], rtol=1e-6)
+    # train.decay_steps: the cosine of a 60-step run, then the floor until step 100
+    config = schedule_config("cosine")
+    config.train.decay_steps = 60
+    early, short = learning_rate(config), schedule_config("cosine")
+    short.train.steps = 60
+    short = learning_rate(short)
+    np.testing.assert_allclose([float(early(s)) for s in range(0, 101, 5)],
+                               [float(short(min(s, 60))) for s in range(0, 101, 5)], rtol=1e-6)
+    assert float(early(80)) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("key,value", [("schedule", "linear"), ("decay_fraction", 0.0),
-                                       ("decay_fraction", 1.5)])
+                                       ("decay_fraction", 1.5), ("decay_steps", 50), ("decay_steps", -1)])
 def test_bad_schedule_values_are_refused(key, value):
     from nlearn.config import validate
     from nlearn.errors import UserError

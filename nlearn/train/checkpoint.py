@@ -68,7 +68,8 @@ class Checkpointer:
             candidates = steps[::-1]
         errors = []
         for s in candidates:
-            args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+            args = {"state": ocp.args.StandardRestore(self._saved_part(s, abstract_state)),
+                    "meta": ocp.args.JsonRestore()}
             legacy = not os.path.isdir(os.path.join(self.manager.directory, str(s), "dataset"))
             if data_iter is not None:
                 args["data" if legacy else "dataset"] = (grain.checkpoint.CheckpointRestore(data_iter) if legacy
@@ -86,6 +87,18 @@ class Checkpointer:
                 logging.warning("resumed from step %d after skipping unreadable checkpoints", s)
             return s, restored["state"], dict(restored["meta"])
         raise UserError(f"no readable checkpoint in {self.manager.directory} ({'; '.join(errors)})")
+
+    def _saved_part(self, step: int, abstract_state):
+        """`abstract_state` less its `carry` (train.state_passing's states) when the checkpoint has none: a run
+        trained without state passing resumes with it, its rows starting fresh (the trainer fills `carry`)."""
+        if "carry" not in abstract_state:
+            return abstract_state
+        try:
+            saved = ocp.StandardCheckpointer().metadata(os.path.join(self.manager.directory, str(step), "state"))
+            keys = set(saved.item_metadata.keys())
+        except Exception:  # unreadable metadata: let the restore itself report the checkpoint
+            return abstract_state
+        return abstract_state if "carry" in keys else {k: v for k, v in abstract_state.items() if k != "carry"}
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from nlearn.train import mesh as mesh_lib
+from nlearn.train import state_passing
 from nlearn.train.step import make_train_step
 
 
@@ -28,7 +29,10 @@ class StepHook:
     def jit_step(self, setup):
         """The jitted `(state, batch) -> (state, metrics)`."""
         t = self.config.train
-        step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype)
+        passing = ((t.state_passing, t.state_passing_from, state_passing.batch_axes(self.config))
+                   if state_passing.enabled(self.config) else None)
+        step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype,
+                               state_passing=passing)
         jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                          out_shardings=(setup.state_shardings, None), donate_argnums=0,
                          compiler_options=self.compiler_options)

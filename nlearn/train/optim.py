@@ -23,6 +23,7 @@ def learning_rate(config, total=None) -> optax.Schedule:
     """Linear warmup to `train.lr`, then down to `lr * min_lr_ratio` at `train.steps`: "cosine" decays
     all the way; "wsd" (warmup-stable-decay) holds the peak and decays linearly over the last
     `train.decay_fraction` of the steps, so a run keeps its full lr until shortly before its end.
+    `train.decay_steps` > 0 ends the cosine there, the steps after it at the floor (e.g. a post-training phase).
 
     `total` (WSD only) replaces `train.steps`: `[steps, stable_end]` from `wsd_total`, which may be a
     traced int32 array: a time-budgeted run (`nlearn.train.benchmark`) chooses its total after compiling
@@ -35,7 +36,7 @@ def learning_rate(config, total=None) -> optax.Schedule:
             raise ValueError("only the wsd schedule takes a total other than train.steps")
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
-            decay_steps=max(t.steps, warmup + 1), end_value=end)
+            decay_steps=max(t.get("decay_steps", 0) or t.steps, warmup + 1), end_value=end)
     if total is None:
         stable_end = wsd_stable_end(t.steps, warmup, t.decay_fraction)
         decay = t.steps - stable_end

@@ -43,6 +43,12 @@ class Setup:
         return jax.jit(lambda: _init_state(self.config, self.optimizer),
                        out_shardings=self.state_shardings)()
 
+    def fresh_carry(self, params):
+        """train.state_passing's carried states as a fresh run starts them (the model's initial state per
+        row), for `params`."""
+        return jax.jit(lambda p: _fresh_carry(nnx.merge(self.graphdef, p), self.config.train),
+                       out_shardings=self.state_shardings["carry"])(params)
+
     def put_batch(self, batch: dict) -> dict:
         """Process-local numpy batch -> global arrays split along the batch axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
@@ -55,9 +61,17 @@ def _init_state(config, optimizer) -> dict:
     # the first step, and the changed input type recompiles the jitted train step once more.
     params = jax.tree.map(lambda x: x.astype(x.dtype) if x.weak_type else x,
                           nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {"params": params, "opt_state": optimizer.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.key(config.train.seed))}
+    state = {"params": params, "opt_state": optimizer.init(params),
+             "step": jnp.zeros((), jnp.int32),
+             "rng": jax.random.key_data(jax.random.key(config.train.seed))}
+    if config.train.get("state_passing", 0.0) > 0:  # nlearn.train.state_passing: the rows' carried states
+        state["carry"] = _fresh_carry(model, config.train)
+    return state
+
+
+def _fresh_carry(model, train):
+    """One float32 initial decoding state per row of the global batch."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32), model.init_cache(train.batch_size, train.seq_len))
 
 
 def make_setup(config) -> Setup:
@@ -74,6 +88,8 @@ def make_setup(config) -> Setup:
                                    transform_non_params=lambda _: rep,
                                    is_leaf=lambda x: isinstance(x, NamedSharding))
     shardings = {"params": param_sh, "opt_state": opt_sh, "step": rep, "rng": rep}
+    if "carry" in abstract:  # small (a recurrent state per row); replicated, whatever splits the batch
+        shardings["carry"] = jax.tree.map(lambda _: rep, abstract["carry"])
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             abstract, shardings)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))

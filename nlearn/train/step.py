@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nlearn.train import state_passing as sp
+
 
 def cast_params(params, dtype):
     """Compute-dtype copy of float32 params (bf16 compute keeps float32 master weights)."""
@@ -30,12 +32,17 @@ def token_losses(graphdef, params, inputs_BT, targets_BT, dtype):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_accum: int, dtype):
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_accum: int, dtype,
+                    state_passing=None):
     """`(state, batch) -> (state, metrics)`; gradients averaged over `grad_accum` micro-batches.
 
     The loss is the mean token cross-entropy, or, when the batch carries `weights` (e.g. MQAR,
-    where only answers count), the weighted mean over the whole batch.
+    where only answers count), the weighted mean over the whole batch. `state_passing`, when given, is
+    `(probability, first step, cache batch axes)`: the step starts rows from `state["carry"]`
+    (nlearn.train.state_passing) and leaves the batch's final states there.
     """
+    if state_passing is not None:
+        return _state_passing_step(graphdef, optimizer, dtype, *state_passing)
 
     def loss_parts(params, mb):
         losses = token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype)
@@ -66,6 +73,33 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_a
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
         return new_state, metrics
+
+    return train_step
+
+
+def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_step: int, axes):
+    """The train step of `train.state_passing` (one micro-batch): the forward is the model's `decode` from
+    each row's start state, so the window continues the carried recurrence exactly as streaming would."""
+
+    def loss_fn(params, batch, carry, keep_B):
+        model = nnx.merge(graphdef, cast_params(params, dtype))
+        b, t = batch["inputs"].shape
+        start = sp.start_states(carry, model.init_cache(b, t), axes, keep_B)
+        logits, final = model.decode(batch["inputs"], start)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        w = batch["weights"].astype(jnp.float32) if "weights" in batch else jnp.ones_like(losses)
+        return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), final
+
+    def train_step(state, batch):
+        keep_B = sp.keep_rows(state["rng"], state["step"], batch["inputs"].shape[0], probability, first_step)
+        (loss, final), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], batch, state["carry"], keep_B)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        carry = sp.next_carry(state["carry"], final, axes)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "passed_rows": jnp.mean(keep_B.astype(jnp.float32))}
+        return dict(state, params=params, opt_state=opt_state, step=state["step"] + 1, carry=carry), metrics
 
     return train_step
 

@@ -94,6 +94,11 @@ def restore_or_init(ckpt, setup, train_iter, workdir: str, lead: bool):
     logging.info("resumed from step %d in %s", step, workdir)
     if lead:
         print(f"resuming from checkpoint at step {step}", flush=True)
+    if "carry" in setup.abstract_state and "carry" not in state:
+        state["carry"] = setup.fresh_carry(state["params"])
+        if lead:
+            print("the checkpoint carries no recurrent states (trained without train.state_passing): every row "
+                  "starts fresh at the first step", flush=True)
     return int(step), state, meta
 
 

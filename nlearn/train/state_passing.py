@@ -1,0 +1,88 @@
+"""State passing: rows of a training batch start from the final recurrent state of the previous step's rows.
+
+A recurrent model trained on windows of `seq_len` tokens only ever sees the states its first `seq_len`
+tokens reach from its initial state; far past that length it meets states it was never trained on and fails
+(the "unexplored states" of Buitrago Ruiz & Gu 2025, arXiv 2507.02782). With `train.state_passing = p`, each
+row continues, with probability p, from the decoding state the same row ended the previous step with (no
+gradient flows into it), else starts fresh: the rows' chains of windows have geometric lengths with mean
+1 / (1 - p) windows. Each window is still `seq_len` tokens and a sequence of its own; only the state is
+carried. `train.state_passing_from` starts it at a later step, as post-training (carried states from the
+first step can keep a model from learning its task at all). The carried states (float32, one per row of the
+global batch) are part of the train state, so a checkpoint resumes them exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nlearn import models
+from nlearn.errors import UserError
+
+
+def enabled(config) -> bool:
+    return config.train.get("state_passing", 0.0) > 0
+
+
+def _cache_shapes(config, batch: int, max_len: int):
+    return jax.eval_shape(lambda: models.build(config).init_cache(batch, max_len, jnp.float32))
+
+
+def batch_axes(config):
+    """Per leaf of the decoding cache, the axis that indexes batch rows (found by comparing the cache's
+    shapes at two batch sizes); a UserError when the cache is not a fixed-size state with rows on every
+    leaf (an attention cache grows with `max_len`: there is no state to carry)."""
+    seq_len = config.train.seq_len
+    one, two, longer = (_cache_shapes(config, 1, seq_len), _cache_shapes(config, 2, seq_len),
+                        _cache_shapes(config, 1, 2 * seq_len))
+
+    def axis(a, b, c):
+        if a.shape != c.shape:
+            raise UserError(f"train.state_passing needs a fixed-size recurrent state; family "
+                            f"{config.model.family!r} keeps a cache that grows with the input")
+        differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(differ) != 1:
+            raise UserError(f"train.state_passing needs a state kept per row; family {config.model.family!r} "
+                            f"keeps decoding state shared by all rows (a leaf of shape {a.shape}, e.g. a position "
+                            "counter), so one row cannot continue while another starts fresh")
+        return differ[0]
+
+    return jax.tree.map(axis, one, two, longer)
+
+
+def start_states(carry, fresh, axes, keep_B):
+    """The batch's initial states: row r starts from `carry`'s row r where `keep_B[r]` (bool `[B]`), else
+    from `fresh` (the model's own initial state, e.g. zeros or learned initial weights). A curriculum stage
+    with more rows than the carry holds (shorter windows, same tokens per step) starts its extra rows fresh."""
+
+    def select(old, new, axis):
+        rows, b = old.shape[axis], new.shape[axis]
+        old = (jax.lax.slice_in_dim(old, 0, b, axis=axis) if b <= rows else
+               jnp.concatenate([old, jax.lax.slice_in_dim(new, rows, b, axis=axis)], axis=axis))
+        shape = [1] * old.ndim
+        shape[axis] = b
+        return jnp.where(keep_B.reshape(shape), old, new)
+
+    return jax.tree.map(select, carry, fresh, axes)
+
+
+def next_carry(carry, final, axes):
+    """`carry` with its first rows replaced by the batch's final states (no gradient), as many as both
+    have."""
+
+    def update(old, new, axis):
+        new = jax.lax.stop_gradient(new).astype(old.dtype)
+        rows, b = old.shape[axis], new.shape[axis]
+        if b >= rows:
+            return jax.lax.slice_in_dim(new, 0, rows, axis=axis)
+        return jnp.concatenate([new, jax.lax.slice_in_dim(old, b, rows, axis=axis)], axis=axis)
+
+    return jax.tree.map(update, carry, final, axes)
+
+
+def keep_rows(rng_data, step, batch: int, probability: float, first_step: int = 0):
+    """Which rows continue this step (bool `[B]`): a draw from the run's RNG and the step, so a resumed run
+    draws the same rows; none before `first_step` (`train.state_passing_from`, counted from 0 as
+    `state["step"]`)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng_data), step), 0x5AFE)
+    return jax.random.bernoulli(key, probability, (batch,)) & (step >= first_step)

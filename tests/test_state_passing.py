@@ -1,0 +1,149 @@
+"""train.state_passing: a row that continues its carried state scores its window exactly as the same window
+read after the tokens that made the state; fresh rows as a plain forward; bad values refused; a run with it
+resumes exactly (a run without it can turn it on)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from run_helpers import ROOT, kill_after_checkpoint_and_resume, load_family_config, tiny_overrides
+from nlearn import config as config_lib
+from nlearn.errors import UserError
+from nlearn.train import state_passing as sp
+from nlearn.train.state import make_setup
+from nlearn.train.step import make_train_step, token_losses
+from flax import nnx
+
+
+def small_config(family="deltanet", probability=0.5):
+    config = load_family_config(family)
+    with config.unlocked():
+        config.data.vocab_size = 61
+        config.model.update(vocab_size=61, d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
+        config.model.memory.chunk_size = 4
+        config.train.update(batch_size=4, seq_len=11, warmup_steps=0, state_passing=probability)
+    return config
+
+
+def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
+    """The step's loss is the mean over rows of: the last window's losses of a plain forward over
+    prefix + window (kept rows: their carry was made by decoding the prefix), or of the window alone
+    (fresh rows); the carry it leaves is each row's state after what it read."""
+    config = small_config()
+    setup = make_setup(config)
+    state = setup.init_state()
+    rng = np.random.default_rng(0)
+    prefix = jnp.asarray(rng.integers(0, 61, (4, 13)), jnp.int32)  # divides no chunk, like the window
+    window = jnp.asarray(rng.integers(0, 61, (4, 12)), jnp.int32)
+    model = nnx.merge(setup.graphdef, state["params"])
+    _, carry = model.decode(prefix, model.init_cache(4, 11))
+    state["carry"] = carry
+    keep = np.asarray(sp.keep_rows(state["rng"], state["step"], 4, 0.5))
+    assert 0 < keep.sum() < 4  # this seed's first draw mixes both kinds of row
+
+    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32,
+                                   state_passing=(0.5, 0, sp.batch_axes(config))))
+    batch = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+    new_state, metrics = step(state, batch)
+
+    params = state["params"]
+    whole = token_losses(setup.graphdef, params, jnp.concatenate([prefix, window[:, :-1]], 1),
+                         jnp.concatenate([prefix[:, 1:], window[:, :1], window[:, 1:]], 1), jnp.float32)[:, 13:]
+    alone = token_losses(setup.graphdef, params, window[:, :-1], window[:, 1:], jnp.float32)
+    expected = np.where(keep[:, None], np.asarray(whole), np.asarray(alone)).mean()
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+    assert float(metrics["passed_rows"]) == keep.mean()
+
+    _, after_prefix = model.decode(jnp.concatenate([prefix, window[:, :-1]], 1), model.init_cache(4, 11))
+    _, after_window = model.decode(window[:, :-1], model.init_cache(4, 11))
+    for got, long, short in zip(jax.tree.leaves(new_state["carry"]), jax.tree.leaves(after_prefix),
+                                jax.tree.leaves(after_window)):
+        want = np.where(keep.reshape((4,) + (1,) * (long.ndim - 1)), long, short)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+    # A curriculum stage of shorter windows has more rows than the carry: the extra rows start fresh, and the
+    # carry keeps its rows (the first ones now hold this batch's final states).
+    wide = jnp.asarray(rng.integers(0, 61, (8, 6)), jnp.int32)
+    after, wide_metrics = step(new_state, {"inputs": wide[:, :-1], "targets": wide[:, 1:]})
+    assert np.isfinite(float(wide_metrics["loss"]))
+    stepped = nnx.merge(setup.graphdef, new_state["params"])
+    _, fresh_wide = stepped.decode(wide[:, :-1], stepped.init_cache(8, 5))
+    keep = np.asarray(sp.keep_rows(new_state["rng"], new_state["step"], 8, 0.5))
+    for got, fresh in zip(jax.tree.leaves(after["carry"]), jax.tree.leaves(fresh_wide)):
+        assert got.shape[0] == 4
+        fresh_rows = ~keep[:4]
+        if fresh_rows.any():  # fresh rows end as a fresh decode of the window
+            np.testing.assert_allclose(np.asarray(got)[fresh_rows], np.asarray(fresh)[:4][fresh_rows],
+                                       rtol=2e-5, atol=2e-6)
+
+
+def test_rows_are_drawn_from_the_run_rng_and_step_at_the_given_rate():
+    rng = jax.random.key_data(jax.random.key(3))
+    draws = np.stack([np.asarray(sp.keep_rows(rng, jnp.int32(s), 64, 0.9)) for s in range(50)])
+    assert np.array_equal(draws[7], np.asarray(sp.keep_rows(rng, jnp.int32(7), 64, 0.9)))  # resumable
+    assert not np.array_equal(draws[7], draws[8])
+    assert abs(draws.mean() - 0.9) < 0.03
+    late = [bool(np.asarray(sp.keep_rows(rng, jnp.int32(s), 64, 0.9, first_step=20)).any()) for s in range(50)]
+    assert late == [s >= 20 for s in range(50)]  # train.state_passing_from: none before that step
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("deltanet", {"state_passing": 1.0}, "train.state_passing=1.0: must be in [0, 1)"),
+    ("deltanet", {"state_passing": -0.1}, "train.state_passing=-0.1: must be in [0, 1)"),
+    ("deltanet", {"state_passing": 0.5, "grad_accum": 2}, "needs train.grad_accum=1"),
+    ("deltanet", {"state_passing": 0.5, "state_passing_from": -1}, "train.state_passing_from=-1: must be >= 0"),
+    ("transformer", {"state_passing": 0.5}, "family 'transformer' keeps a cache that grows"),
+    ("titans_lmm", {"state_passing": 0.5}, "family 'titans_lmm' keeps decoding state shared by all rows"),
+])
+def test_bad_state_passing_is_refused_with_one_line(family, overrides, message):
+    config = load_family_config(family)
+    with config.unlocked():
+        config.train.update(**overrides)
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+        config_lib.validate(config)
+
+
+def test_a_run_with_state_passing_resumes_exactly_and_a_run_without_it_can_start_it(
+        tmp_path, cache_dir, text_corpus):
+    """12 steps straight == killed after the step-6 checkpoint and rerun (the carried states come back from
+    the checkpoint); a checkpoint written without state passing resumes with it, its rows starting fresh."""
+    def cmd(workdir, passing=0.75, steps=12):
+        return [sys.executable, "-m", "nlearn.cli.train", "--config=configs/deltanet.py:tiny", f"--workdir={workdir}",
+                *tiny_overrides(cache_dir, text_corpus, **{"train.steps": steps, "train.state_passing": passing})]
+
+    def final_line(proc):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [line for line in proc.stdout.splitlines() if line.startswith("final:")][0]
+
+    straight = subprocess.run(cmd(tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    resumed = kill_after_checkpoint_and_resume(tmp_path / "killed", cmd(tmp_path / "killed"), 6)
+    assert final_line(resumed) == final_line(straight)
+
+    first = subprocess.run(cmd(tmp_path / "late", 0.0, 6), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    late = subprocess.run(cmd(tmp_path / "late"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "carries no recurrent states" in late.stdout
+    final_line(late)
+
+
+@pytest.mark.slow  # two more runs; the sharded plain run is tests/test_train.py's
+def test_state_passing_on_a_sharded_batch_matches_one_device(tmp_path, cache_dir, text_corpus):
+    """The carried states stay replicated while the batch is split over data=4 x fsdp=2 host devices: the
+    run ends at the single-device loss."""
+    def run(workdir, devices, **mesh):
+        cmd = [sys.executable, "-m", "nlearn.cli.train", "--config=configs/deltanet.py:tiny", f"--workdir={workdir}",
+               *tiny_overrides(cache_dir, text_corpus, **{"train.steps": 8, "train.state_passing": 0.75, **mesh})]
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return json.load(open(workdir / "eval.json"))["loss"]
+
+    single = run(tmp_path / "one", 1)
+    sharded = run(tmp_path / "eight", 8, **{"mesh.data": 4, "mesh.fsdp": 2})
+    assert abs(sharded - single) / single <= 1e-3
