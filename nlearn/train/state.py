@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 
 from nlearn import models
 from nlearn.train import mesh as mesh_lib
+from nlearn.train import state_passing
 from nlearn.train.optim import make_optimizer
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -64,7 +65,7 @@ def _init_state(config, optimizer) -> dict:
     state = {"params": params, "opt_state": optimizer.init(params),
              "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.key_data(jax.random.key(config.train.seed))}
-    if config.train.get("state_passing", 0.0) > 0:  # nlearn.train.state_passing: the rows' carried states
+    if state_passing.enabled(config):  # the rows' carried states
         state["carry"] = _fresh_carry(model, config.train)
     return state
 

@@ -32,6 +32,19 @@ def token_losses(graphdef, params, inputs_BT, targets_BT, dtype):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
 
 
+def weighted_sums(losses_BT, batch):
+    """`(sum of losses x weights, sum of weights)`: every token weighs 1 unless the batch carries `weights`."""
+    w = batch["weights"].astype(jnp.float32) if "weights" in batch else jnp.ones_like(losses_BT)
+    return jnp.sum(losses_BT * w), jnp.sum(w)
+
+
+def apply_gradients(optimizer, state, grads) -> dict:
+    """`state` one optimizer step on: new params, optimizer state and step count."""
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    return dict(state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state,
+                step=state["step"] + 1)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_accum: int, dtype,
                     state_passing=None):
     """`(state, batch) -> (state, metrics)`; gradients averaged over `grad_accum` micro-batches.
@@ -45,9 +58,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_a
         return _state_passing_step(graphdef, optimizer, dtype, *state_passing)
 
     def loss_parts(params, mb):
-        losses = token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype)
-        w = mb["weights"].astype(jnp.float32) if "weights" in mb else jnp.ones_like(losses)
-        return jnp.sum(losses * w), jnp.sum(w)
+        return weighted_sums(token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype), mb)
 
     def train_step(state, batch):
         micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
@@ -68,11 +79,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_a
 
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
             (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
-        return new_state, metrics
+        return apply_gradients(optimizer, state, grads), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return train_step
 
@@ -86,20 +93,17 @@ def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_st
         b, t = batch["inputs"].shape
         start = sp.start_states(carry, model.init_cache(b, t), axes, keep_B)
         logits, final = model.decode(batch["inputs"], start)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        w = batch["weights"].astype(jnp.float32) if "weights" in batch else jnp.ones_like(losses)
-        return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), final
+        loss_sum, weight = weighted_sums(
+            optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), batch)
+        return loss_sum / jnp.maximum(weight, 1.0), final
 
     def train_step(state, batch):
         keep_B = sp.keep_rows(state["rng"], state["step"], batch["inputs"].shape[0], probability, first_step)
         (loss, final), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], batch, state["carry"], keep_B)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        carry = sp.next_carry(state["carry"], final, axes)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "passed_rows": jnp.mean(keep_B.astype(jnp.float32))}
-        return dict(state, params=params, opt_state=opt_state, step=state["step"] + 1, carry=carry), metrics
+        new_state = dict(apply_gradients(optimizer, state, grads), carry=sp.next_carry(state["carry"], final, axes))
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                           "passed_rows": jnp.mean(keep_B.astype(jnp.float32))}
 
     return train_step
 
