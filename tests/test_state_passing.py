@@ -14,6 +14,7 @@ import pytest
 
 from run_helpers import ROOT, kill_after_checkpoint_and_resume, load_family_config, tiny_overrides
 from nlearn import config as config_lib
+from nlearn import models
 from nlearn.errors import UserError
 from nlearn.train import state_passing as sp
 from nlearn.train.state import make_setup
@@ -83,6 +84,65 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
                                        rtol=2e-5, atol=2e-6)
 
 
+def test_a_shared_position_passes_states_only_where_a_fresh_row_starts():
+    """titans_lmm keeps its place in the current mini-batch once for all rows (`pos`). After a prefix that
+    ends a mini-batch (pos back at 0) a kept row continues exactly as streaming would; from a carry whose pos
+    is inside a mini-batch no row can continue, every row reads its window from the fresh state and the
+    step's `passing_blocked` says so."""
+    config = small_config("titans_lmm")
+    with config.unlocked():
+        config.model.memory.minibatch = 4
+    setup = make_setup(config)
+    state = setup.init_state()
+    axes = sp.batch_axes(config)
+    assert sp.SHARED in jax.tree.leaves(axes)
+    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32,
+                                   state_passing=(0.5, 0, axes)))
+    model = nnx.merge(setup.graphdef, state["params"])
+    keep = np.asarray(sp.keep_rows(state["rng"], state["step"], 4, 0.5))
+    assert 0 < keep.sum() < 4
+    rng = np.random.default_rng(1)
+    prefix = jnp.asarray(rng.integers(0, 61, (4, 12)), jnp.int32)  # three whole mini-batches
+    window = jnp.asarray(rng.integers(0, 61, (4, 10)), jnp.int32)  # 9 inputs: ends inside a mini-batch
+    _, carry = model.decode(prefix, model.init_cache(4, 11))
+    carry = jax.tree.map(lambda x: x.astype(jnp.float32), carry)
+    whole = np.asarray(token_losses(setup.graphdef, state["params"], jnp.concatenate([prefix, window[:, :-1]], 1),
+                                    jnp.concatenate([prefix[:, 1:], window[:, :1], window[:, 1:]], 1),
+                                    jnp.float32))[:, 12:]
+    alone = np.asarray(token_losses(setup.graphdef, state["params"], window[:, :-1], window[:, 1:], jnp.float32))
+    _, after_both = model.decode(jnp.concatenate([prefix, window[:, :-1]], 1), model.init_cache(4, 11))
+    _, after_window = model.decode(window[:, :-1], model.init_cache(4, 11))
+    inside = jax.tree.map(lambda x, axis: x + 1 if axis == sp.SHARED else x, carry, axes)  # pos = 1
+    for start, kept in ((carry, keep), (inside, np.zeros(4, bool))):
+        new_state, metrics = step(dict(state, carry=start), {"inputs": window[:, :-1], "targets": window[:, 1:]})
+        np.testing.assert_allclose(float(metrics["loss"]), np.where(kept[:, None], whole, alone).mean(), rtol=1e-5)
+        assert float(metrics["passed_rows"]) == kept.mean()
+        assert float(metrics["passing_blocked"]) == (not kept.any())
+        for got, long, short, axis in zip(*map(jax.tree.leaves, (new_state["carry"], after_both, after_window, axes))):
+            if axis == sp.SHARED:  # carried: where this window ended
+                assert float(got) == float(long) == 9 % 4
+            else:  # each row's memory after what it read: prefix and window, or the window alone
+                want = np.where(kept.reshape((4,) + (1,) * (long.ndim - 1)), long, short)
+                np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("family, passes", [
+    ("ttt_linear", True), ("ttt_mlp", True), ("self_ref_titans", True),
+    ("titans_mac", False),  # absolute positions (its segments and attention); Hope's CMS counts tokens too
+])
+def test_which_families_can_pass_states(family, passes):
+    """After a window that is a multiple of the mini-batch (4) and of self_ref_titans' chunk period (64), the
+    shared leaves of a memory's state are back where a fresh row starts (README: which families
+    train.state_passing serves)."""
+    config = small_config(family)
+    if "minibatch" in config.model.memory:
+        config.model.memory.minibatch = 4
+    model = models.build(config)
+    fresh = model.init_cache(2, 64)
+    _, final = model.decode(jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 64)), jnp.int32), fresh)
+    assert bool(sp.shared_leaves_agree(final, fresh, sp.batch_axes(config))) == passes
+
+
 def test_rows_are_drawn_from_the_run_rng_and_step_at_the_given_rate():
     rng = jax.random.key_data(jax.random.key(3))
     draws = np.stack([np.asarray(sp.keep_rows(rng, jnp.int32(s), 64, 0.9)) for s in range(50)])
@@ -99,7 +159,6 @@ def test_rows_are_drawn_from_the_run_rng_and_step_at_the_given_rate():
     ("deltanet", {"state_passing": 0.5, "grad_accum": 2}, "needs train.grad_accum=1"),
     ("deltanet", {"state_passing": 0.5, "state_passing_from": -1}, "train.state_passing_from=-1: must be >= 0"),
     ("transformer", {"state_passing": 0.5}, "family 'transformer' keeps a cache that grows"),
-    ("titans_lmm", {"state_passing": 0.5}, "family 'titans_lmm' keeps decoding state shared by all rows"),
 ])
 def test_bad_state_passing_is_refused_with_one_line(family, overrides, message):
     config = load_family_config(family)

@@ -91,19 +91,22 @@ def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_st
     def loss_fn(params, batch, carry, keep_B):
         model = nnx.merge(graphdef, cast_params(params, dtype))
         b, t = batch["inputs"].shape
-        start = sp.start_states(carry, model.init_cache(b, t), axes, keep_B)
-        logits, final = model.decode(batch["inputs"], start)
+        fresh = model.init_cache(b, t)
+        blocked = ~sp.shared_leaves_agree(carry, fresh, axes)  # e.g. a mini-batch position not back at 0
+        keep_B = keep_B & ~blocked
+        logits, final = model.decode(batch["inputs"], sp.start_states(carry, fresh, axes, keep_B))
         loss_sum, weight = weighted_sums(
             optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), batch)
-        return loss_sum / jnp.maximum(weight, 1.0), final
+        return loss_sum / jnp.maximum(weight, 1.0), (final, keep_B, blocked)
 
     def train_step(state, batch):
         keep_B = sp.keep_rows(state["rng"], state["step"], batch["inputs"].shape[0], probability, first_step)
-        (loss, final), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, (final, keep_B, blocked)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], batch, state["carry"], keep_B)
         new_state = dict(apply_gradients(optimizer, state, grads), carry=sp.next_carry(state["carry"], final, axes))
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                           "passed_rows": jnp.mean(keep_B.astype(jnp.float32))}
+                           "passed_rows": jnp.mean(keep_B.astype(jnp.float32)),
+                           "passing_blocked": (blocked & (state["step"] >= first_step)).astype(jnp.float32)}
 
     return train_step
 

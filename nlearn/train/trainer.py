@@ -22,6 +22,7 @@ from nlearn.errors import UserError
 from nlearn.eval.perplexity import make_evaluator
 from nlearn.train import distributed
 from nlearn.train import flops as flops_lib
+from nlearn.train import state_passing
 from nlearn.train.checkpoint import Checkpointer
 from nlearn.train.hooks import make_hook
 from nlearn.train.metrics import MetricsWriter, Progress, Wandb, plot_losses
@@ -165,7 +166,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             print(f"eval at step {step}: {describe_eval(result)}", flush=True)
         return result
 
-    start_time, stopped, compiling = time.perf_counter(), None, True
+    start_time, stopped, compiling, warned_blocked = time.perf_counter(), None, True, False
     with _StopFlag(jax.process_count() if processes else 1) as stop:
         while step < total:
             began = time.perf_counter()
@@ -182,6 +183,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
             saving = step % config.checkpoint.every_steps == 0 or step == total or stopped
             if step % t.log_every == 0 or saving:
                 record = finite_metrics(metrics, step, ckpt)
+                if lead and record.get("passing_blocked") and not warned_blocked:
+                    print(state_passing.BLOCKED_WARNING.format(step=step, family=config.model.family), flush=True)
+                    warned_blocked = True
                 if step % t.log_every == 0 or step == total:
                     log({**progress.update(step, record), "step": step})
             if t.eval_every and step % t.eval_every == 0 and step != total:
