@@ -96,6 +96,41 @@ def test_delta_rule_beta_min_bounds_the_write_strength():
         config_lib.validate(config)
 
 
+def test_delta_rule_hard_gate_can_skip_a_token_exactly():
+    """memory.beta_gate='hard_sigmoid' reaches beta = 0 exactly (sigmoid never does), and a token written
+    with beta 0 leaves the delta rule's state as it was: the chunked op over a sequence whose odd tokens have
+    beta 0 ends in the state of the even tokens alone. An unknown gate is refused naming the key."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from nlearn import config as config_lib
+    from nlearn.errors import UserError
+    from nlearn.layers.memory_mixer import DeltaNetMixer, l2_normalize
+    from nlearn.memory.delta import delta_rule
+
+    config = load_family_config("deltanet")
+    x = 30 * jax.random.normal(jax.random.key(0), (1, 64, config.model.d_model))
+    (soft,) = DeltaNetMixer(config.model, rngs=nnx.Rngs(0)).gates(x)
+    assert float(soft.min()) > 0.0
+    config.model.memory.beta_gate = "hard_sigmoid"
+    config_lib.validate(config)
+    (hard,) = DeltaNetMixer(config.model, rngs=nnx.Rngs(0)).gates(x)
+    assert float(hard.min()) == 0.0 and float(jnp.mean(hard == 0.0)) > 0.2
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 40, 2, 8)), jnp.float32) for _ in range(3))
+    k = l2_normalize(k)
+    beta = jnp.asarray(rng.uniform(0.2, 1.0, (1, 40, 2)), jnp.float32).at[:, 1::2].set(0.0)
+    _, state = delta_rule(q, k, v, beta, chunk_size=16)  # 40 tokens: chunks of 16, 16 and 8
+    _, evens = delta_rule(q[:, ::2], k[:, ::2], v[:, ::2], beta[:, ::2], impl="recurrent")
+    np.testing.assert_allclose(state, evens, rtol=1e-5, atol=1e-6)
+    config.model.memory.beta_gate = "relu"
+    with pytest.raises(UserError, match="model.memory.beta_gate='relu'"):
+        config_lib.validate(config)
+
+
 def test_decay_init_sets_the_forgetting_gates_start():
     """memory.decay_init is alpha at initialisation (the gate's bias is its logit); the default is
     the former hard-coded sigmoid(-4); values outside (0, 1) are refused naming the key."""

@@ -186,9 +186,13 @@ class DeltaNetMixer(MemoryMixer):
     where SiLU's mostly positive ones all overlap. `memory.beta_min` > 0 bounds every write's strength from
     below (`beta = beta_min + (1 - beta_min) sigmoid(x W_b)`): weak writes make the state converge over a
     repeated input so slowly that a short training window never shows its long-run value.
+    `memory.beta_gate="hard_sigmoid"` makes the write gate `relu6(z + 3) / 6`, which reaches exactly 0 (and 1): a
+    token written with beta 0 leaves the state as it was, so a learnt "skip" on the filler costs a stored
+    association nothing however many filler tokens follow, where sigmoid's small betas still erase it slowly.
     """
 
     QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x}
+    BETA_GATES = {"sigmoid": jax.nn.sigmoid, "hard_sigmoid": jax.nn.hard_sigmoid}
 
     def __init__(self, cfg, *, gated: bool = False, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
@@ -196,6 +200,7 @@ class DeltaNetMixer(MemoryMixer):
         self.gated = gated
         self.qk_activation = self.QK_ACTIVATIONS[cfg.memory.get("qk_activation", "silu")]
         self.beta_min = float(cfg.memory.get("beta_min", 0.0))
+        self.beta_gate = self.BETA_GATES[cfg.memory.get("beta_gate", "sigmoid")]
         if gated:
             self.decay = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
             # Mamba-2 style init: A in [1, 16], softplus(dt_bias) in [1e-3, 0.1] (log-uniform).
@@ -209,7 +214,7 @@ class DeltaNetMixer(MemoryMixer):
         return l2_normalize(self.qk_activation(q)), l2_normalize(self.qk_activation(k)), jax.nn.silu(v)
 
     def gates(self, x_BTD):
-        beta = self.beta_min + (1.0 - self.beta_min) * jax.nn.sigmoid(self.beta(x_BTD).astype(jnp.float32))
+        beta = self.beta_min + (1.0 - self.beta_min) * self.beta_gate(self.beta(x_BTD).astype(jnp.float32))
         if not self.gated:
             return (beta,)
         dt = jax.nn.softplus(self.decay(x_BTD).astype(jnp.float32) + self.dt_bias[...])

@@ -37,11 +37,12 @@ def validate_config(config) -> None:
     if memory is not None and memory.conv_init not in ShortConv.INITS:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
-    if memory is not None and "qk_activation" in memory:
+    if memory is not None and ("qk_activation" in memory or "beta_gate" in memory):
         from nlearn.layers.memory_mixer import DeltaNetMixer
-        if memory.qk_activation not in DeltaNetMixer.QK_ACTIVATIONS:
-            raise UserError(f"invalid config value model.memory.qk_activation={memory.qk_activation!r}: valid "
-                            f"choices: {', '.join(DeltaNetMixer.QK_ACTIVATIONS)}")
+        for key, choices in (("qk_activation", DeltaNetMixer.QK_ACTIVATIONS), ("beta_gate", DeltaNetMixer.BETA_GATES)):
+            if key in memory and memory[key] not in choices:
+                raise UserError(f"invalid config value model.memory.{key}={memory[key]!r}: valid "
+                                f"choices: {', '.join(choices)}")
     if memory is not None and "beta_min" in memory and not 0.0 <= memory.beta_min < 1.0:
         raise UserError(f"invalid config value model.memory.beta_min={memory.beta_min}: must be in [0, 1)")
     family = FAMILIES[config.model.family]
