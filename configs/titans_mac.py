@@ -6,8 +6,8 @@ x and adds its read to y (tiny, and the MQAR preset built on it). docs/titans.md
 Presets: tiny, 170m, 340m, 400m, 760m (Titans paper sizes; 32k vocabulary, untied head).
   nlearn-train --config=configs/titans_mac.py:tiny --workdir=runs/mac
 Ablate with one override: --config.model.segment_len=32, --config.model.num_persistent=0,
---config.model.mac_output=gate, --config.model.mac_memory_input=y, --config.model.attn_conv_size=0,
---config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
+--config.model.mac_output=gate, --config.model.mac_memory_input=y, --config.model.mac_positions=segment,
+--config.model.attn_conv_size=0, --config.model.memory.optimizer=sgd, .minibatch=4, .depth=1, .decay=False.
 """
 
 from nlearn.memory_config import neural_memory_config
@@ -17,11 +17,12 @@ from nlearn.presets import family_config
 # attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
 # mac_output: how y and the memory's read combine, "gate" (eq. 25) or "add" (nlearn.layers.titans.MACMixer).
 # mac_memory_input: what the memory writes and is read with, "y" (the attention output, eq. 24),
-# "x+y" or "x" (the segment's tokens).
-PAPER_WIRING = dict(attn_conv_size=4, mac_output="gate", mac_memory_input="y")
+# "x+y" or "x" (the segment's tokens). mac_positions: RoPE positions in the stream ("absolute") or from each
+# segment's start ("segment": the same attention at any length; nlearn.layers.titans.MACMixer).
+PAPER_WIRING = dict(attn_conv_size=4, mac_output="gate", mac_memory_input="y", mac_positions="absolute")
 # tiny (and configs/mqar.py, built on it) keeps "add" with "x": it recalls better at small scale (MQAR: the
 # gate with y levelled off near 20%; added, x learnt recall across segments far faster than x + y; docs/titans.md).
-SMALL_WIRING = dict(attn_conv_size=4, mac_output="add", mac_memory_input="x")
+SMALL_WIRING = dict(attn_conv_size=4, mac_output="add", mac_memory_input="x", mac_positions="absolute")
 TINY = dict(segment_len=64, num_persistent=4, **SMALL_WIRING)
 PAPER = dict(segment_len=512, num_persistent=16, **PAPER_WIRING)
 

@@ -143,6 +143,7 @@ MIGRATIONS = (
     ("model.attn_conv_size", 0, lambda c: c.model.family in ("titans_mac", "titans_mag", "titans_mal")),
     ("model.mac_output", "gate", lambda c: c.model.family == "titans_mac"),
     ("model.mac_memory_input", "x+y", lambda c: c.model.family == "titans_mac"),
+    ("model.mac_positions", "absolute", lambda c: c.model.family == "titans_mac"),
     ("model.mag_output", "blend", lambda c: c.model.family == "titans_mag"),
     ("model.mal_attn_input", "x+m", lambda c: c.model.family == "titans_mal"),
     ("mesh.sequence", 1, None),

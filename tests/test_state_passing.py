@@ -84,14 +84,19 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
                                        rtol=2e-5, atol=2e-6)
 
 
-def test_a_shared_position_passes_states_only_where_a_fresh_row_starts():
-    """titans_lmm keeps its place in the current mini-batch once for all rows (`pos`). After a prefix that
-    ends a mini-batch (pos back at 0) a kept row continues exactly as streaming would; from a carry whose pos
-    is inside a mini-batch no row can continue, every row reads its window from the fresh state and the
-    step's `passing_blocked` says so."""
-    config = small_config("titans_lmm")
+@pytest.mark.parametrize("family", ["titans_lmm", "titans_mac"])
+def test_a_shared_position_passes_states_only_where_a_fresh_row_starts(family):
+    """titans_lmm keeps its place in the current mini-batch once for all rows (`pos`), titans_mac also its
+    stream position (`next`, which counts from its segment's start once rebased: with RoPE positions counted
+    from each segment's start, `model.mac_positions="segment"`, no output depends on more). After a prefix
+    that ends a mini-batch and a segment a kept row continues exactly as streaming would; from a carry whose place is
+    inside a mini-batch no row can continue, every row reads its window from the fresh state and the step's
+    `passing_blocked` says so."""
+    config = small_config(family)
     with config.unlocked():
         config.model.memory.minibatch = 4
+        if family == "titans_mac":
+            config.model.update(segment_len=4, mac_positions="segment")
     setup = make_setup(config)
     state = setup.init_state()
     axes = sp.batch_axes(config)
@@ -110,37 +115,50 @@ def test_a_shared_position_passes_states_only_where_a_fresh_row_starts():
                                     jnp.concatenate([prefix[:, 1:], window[:, :1], window[:, 1:]], 1),
                                     jnp.float32))[:, 12:]
     alone = np.asarray(token_losses(setup.graphdef, state["params"], window[:, :-1], window[:, 1:], jnp.float32))
-    _, after_both = model.decode(jnp.concatenate([prefix, window[:, :-1]], 1), model.init_cache(4, 11))
+    _, streamed = model.decode(jnp.concatenate([prefix, window[:, :-1]], 1), model.init_cache(4, 11))
+    def as_cache(c):  # the carry is kept in float32; the model reads its counters as ints
+        return jax.tree.map(lambda x, f: x.astype(f.dtype), c, model.init_cache(4, 11))
+
+    _, after_both = model.decode(window[:, :-1], model.rebase_cache(as_cache(carry)))  # counted from the prefix
     _, after_window = model.decode(window[:, :-1], model.init_cache(4, 11))
+    more = jnp.asarray(rng.integers(0, 61, (4, 3)), jnp.int32)
+    streamed_logits = np.asarray(model.decode(more, streamed)[0])
     inside = jax.tree.map(lambda x, axis: x + 1 if axis == sp.SHARED else x, carry, axes)  # pos = 1
     for start, kept in ((carry, keep), (inside, np.zeros(4, bool))):
         new_state, metrics = step(dict(state, carry=start), {"inputs": window[:, :-1], "targets": window[:, 1:]})
         np.testing.assert_allclose(float(metrics["loss"]), np.where(kept[:, None], whole, alone).mean(), rtol=1e-5)
         assert float(metrics["passed_rows"]) == kept.mean()
         assert float(metrics["passing_blocked"]) == (not kept.any())
-        for got, long, short, axis in zip(*map(jax.tree.leaves, (new_state["carry"], after_both, after_window, axes))):
-            if axis == sp.SHARED:  # carried: where this window ended
+        rebased = [model.rebase_cache(c) for c in (new_state["carry"], after_both)]
+        for got, long, short, axis in zip(*map(jax.tree.leaves, (*rebased, after_window, axes))):
+            if axis == sp.SHARED:  # carried: where this window ended, in its mini-batch and segment
                 assert float(got) == float(long) == 9 % 4
             else:  # each row's memory after what it read: prefix and window, or the window alone
                 want = np.where(kept.reshape((4,) + (1,) * (long.ndim - 1)), long, short)
                 np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+        # A kept row's carry reads on as the stream that never restarted its count (mid-segment, mid-mini-batch).
+        logits = np.asarray(model.decode(more, as_cache(new_state["carry"]))[0])
+        np.testing.assert_allclose(logits[kept], streamed_logits[kept], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family, passes", [
-    ("ttt_linear", True), ("ttt_mlp", True), ("self_ref_titans", True),
-    ("titans_mac", False),  # absolute positions (its segments and attention); Hope's CMS counts tokens too
+@pytest.mark.parametrize("family, model, passes", [
+    ("ttt_linear", {}, True), ("ttt_mlp", {}, True), ("self_ref_titans", {}, True),
+    ("titans_mac", {"mac_positions": "segment"}, True),
+    ("titans_mac", {"mac_positions": "absolute"}, False),  # RoPE's rotation depends on the stream position
+    ("hope", {}, False),  # its CMS counts every token read
 ])
-def test_which_families_can_pass_states(family, passes):
+def test_which_families_can_pass_states(family, model, passes):
     """After a window that is a multiple of the mini-batch (4) and of self_ref_titans' chunk period (64), the
     shared leaves of a memory's state are back where a fresh row starts (README: which families
     train.state_passing serves)."""
     config = small_config(family)
+    config.model.update(model)
     if "minibatch" in config.model.memory:
         config.model.memory.minibatch = 4
     model = models.build(config)
     fresh = model.init_cache(2, 64)
     _, final = model.decode(jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 64)), jnp.int32), fresh)
-    assert bool(sp.shared_leaves_agree(final, fresh, sp.batch_axes(config))) == passes
+    assert bool(sp.shared_leaves_agree(model.rebase_cache(final), fresh, sp.batch_axes(config))) == passes
 
 
 def test_rows_are_drawn_from_the_run_rng_and_step_at_the_given_rate():

@@ -176,10 +176,11 @@ def mac_twin(mixer, cfg, x):
         if t % cfg.segment_len == 0:  # a new segment: retrieval weights, empty attention keys
             theta_r, keys, values = mem.theta, [], []
         x_t = x[:, t]
+        pos = t % cfg.segment_len if cfg.mac_positions == "segment" else t  # RoPE's position
         h = mlp(theta_r, l2n(silu(heads(dense(mixer.retrieve_q, x_t)))))
         r = rms(mixer.retrieved_norm, dense(mixer.retrieve_o, h.reshape(B, -1)), cfg.norm_eps)
-        q, k, v = att.qkv(x_t, t)
-        keys += [rope(heads(dense(mixer.attn.k, r)), t, cfg.rope_theta), k]
+        q, k, v = att.qkv(x_t, pos)
+        keys += [rope(heads(dense(mixer.attn.k, r)), pos, cfg.rope_theta), k]
         values += [heads(dense(mixer.attn.v, r)), v]
         y = att.project(att.attend(q, keys, values))
         u = {"y": y, "x+y": x_t + y, "x": x_t}[cfg.mac_memory_input]
@@ -244,13 +245,15 @@ def perturbed(mixer, seed):
     return mixer
 
 
-# Every value of every key in the default suite (MAC: the paper's wiring, tiny's, and x + y with
-# mini-batches of 3, which do not divide the segments); MAC's other input x output pairs marked slow.
+# Every value of every key in the default suite (MAC: the paper's wiring, tiny's, x + y with mini-batches
+# of 3, which do not divide the segments, and positions from each segment's start); MAC's other input x output
+# pairs marked slow.
 slow = pytest.mark.slow
 VARIANTS = [
     ("titans_mac", dict(mac_memory_input="y", mac_output="gate")),
     ("titans_mac", dict(mac_memory_input="x", mac_output="add")),
     ("titans_mac", dict(mac_memory_input="x+y", mac_output="add", memory=dict(minibatch=3))),
+    ("titans_mac", dict(mac_memory_input="x", mac_output="add", mac_positions="segment")),
     pytest.param("titans_mac", dict(mac_memory_input="y", mac_output="add"), marks=slow),
     pytest.param("titans_mac", dict(mac_memory_input="x+y", mac_output="gate"), marks=slow),
     pytest.param("titans_mac", dict(mac_memory_input="x", mac_output="gate"), marks=slow),

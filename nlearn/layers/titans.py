@@ -42,6 +42,7 @@ def _attention(cfg, *, window: int, out_proj: bool = True, rngs: nnx.Rngs) -> At
 UNROLL_SEGMENTS = 8  # MAC unrolls its loop over segments up to this many segments
 MAC_OUTPUTS = ("add", "gate")  # how MAC combines the attention output and the memory's read
 MAC_MEMORY_INPUTS = ("y", "x+y", "x")  # what MAC's memory writes and reads with: y (eq. 24), x + y or x
+MAC_POSITIONS = ("absolute", "segment")  # MAC's RoPE positions: in the stream, or from the segment's start
 MAG_OUTPUTS = ("blend", "gate")  # MAG: convex blend of the two branches, or y ⊙ σ(M(x)) (eq. 28)
 MAL_ATTN_INPUTS = ("x+m", "m")  # MAL: attention on RMSNorm(x + M(x)) plus M(x), or on M(x) alone (eq. 31)
 
@@ -49,6 +50,11 @@ MAL_ATTN_INPUTS = ("x+m", "m")  # MAL: attention on RMSNorm(x + M(x)) plus M(x),
 def mac_output(cfg) -> str:
     """`model.mac_output` (older saved configs get the gate from `nlearn.config.migrate`)."""
     return cfg.mac_output
+
+
+def mac_positions(cfg) -> str:
+    """`model.mac_positions` (older saved configs get "absolute" from `nlearn.config.migrate`)."""
+    return cfg.mac_positions
 
 
 def mac_memory_input(cfg) -> str:
@@ -84,7 +90,11 @@ class MACMixer(nnx.Module):
          invisible); `r_j = RMSNorm(h_j W_h)` are the retrieved tokens;
       2. attend over `[persistent ‖ r ‖ x]` of this segment (eqs. 22-23): query i sees all N_p
          persistent entries and r_j, x_j for j <= i (r_j depends on x_j, so this keeps causality),
-         giving `y = Attn(...) W_o` (N_p + 2C keys per query: O(T·C), never a T×T mask);
+         giving `y = Attn(...) W_o` (N_p + 2C keys per query: O(T·C), never a T×T mask). RoPE rotates
+         queries and keys by their place in the stream (`model.mac_positions="absolute"`) or in their
+         segment (`"segment"`): then every segment's attention is the same function of its inputs at any
+         length, where absolute positions turn the queries against the unrotated persistent keys to
+         angles a short training window never showed;
       3. write into the memory (eq. 24): the LMM mixer over the segment from the state after the
          previous segment, its k, v, q projections of u = RMSNorm(y) (`model.mac_memory_input="y"`,
          the paper), RMSNorm(x + y) (`"x+y"`: the attention sub-layer's output with its residual)
@@ -124,6 +134,7 @@ class MACMixer(nnx.Module):
         self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
         self.combine = mac_output(cfg)
         self.memory_input = mac_memory_input(cfg)
+        self.segment_positions = mac_positions(cfg) == "segment"
         self.gate_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs) if self.combine == "gate" else None
 
     # --- pieces shared by training and decoding -----------------------------------------------
@@ -190,6 +201,8 @@ class MACMixer(nnx.Module):
         b, t, _ = x_BTD.shape
         c = self.segment_len
         pos = start + jnp.arange(t, dtype=jnp.int32)
+        if self.segment_positions:  # every segment's tokens at RoPE positions 0 .. C-1
+            pos = pos % c
         q_r = self._retrieval_query(x_BTD)
         q, k_x, v_x, attn_convs = self.attn.qkv(x_BTD, pos, attn_convs)
         seqs = (x_BTD, q_r, q, k_x, v_x)
@@ -255,13 +268,23 @@ class MACMixer(nnx.Module):
                 "kv": tuple(jnp.zeros(shape, dtype) for _ in range(4)),  # k_r, v_r, k_x, v_x
                 "next": jnp.zeros((), jnp.int32)}
 
+    def rebase_cache(self, cache):
+        """With `model.mac_positions="segment"`, the same decoding state with its position counted from the
+        current segment's start: outputs then depend on `next` only through its place in the segment, so a state
+        at a segment boundary continues from 0 as a fresh one does (train.state_passing keeps a row only where
+        the shared leaves agree with a fresh row's). With absolute positions the queries' rotation against the
+        unrotated persistent keys depends on `next` itself: the cache is returned as it is."""
+        if not self.segment_positions:
+            return cache
+        return {**cache, "next": cache["next"] % self.segment_len}
+
     def _step(self, x_B1D, cache):
         """One token: retrieve with the segment's start weights, attend to the segment so far."""
         b = x_B1D.shape[0]
         c = self.segment_len
         pos = cache["next"]
         p = pos % c
-        pos_T = pos[None]
+        pos_T = (p if self.segment_positions else pos)[None]
         _, (k_r, v_r) = self._retrieve(cache["retrieval"], self._retrieval_query(x_B1D), pos_T)
         q, k_x, v_x, attn_convs = self.attn.qkv(x_B1D, pos_T, cache["attn_convs"])
         kv = tuple(lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), p, axis=1)

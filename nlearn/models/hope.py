@@ -271,6 +271,10 @@ class HopeModel(LanguageModel):
         return {"mix": caches, "start": caches, "buf": jnp.zeros((batch, self.chunk), jnp.int32),
                 "pos": jnp.zeros((), jnp.int32), "delta": zero, "gsum": zero}
 
+    def rebase_cache(self, cache):
+        """`cache` as it is: its `pos` counts every token read (the CMS chunks' and levels' clocks)."""
+        return cache
+
     def decode(self, tokens_BT, cache):
         """Feed `tokens [B, T]` after what `cache` holds, learning as the full forward does."""
         if self.update == "none":

@@ -46,6 +46,12 @@ class Block(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return self.mixer.init_cache(batch, max_len, dtype)
 
+    def rebase_cache(self, cache):
+        """The mixer's `rebase_cache` (an equivalent state with its position counters brought back to where
+        a fresh state starts, where that changes no output), or `cache` as it is."""
+        rebase = getattr(self.mixer, "rebase_cache", None)
+        return cache if rebase is None else rebase(cache)
+
     def __call__(self, x_BTD, cache=None):
         y, cache = self.mixer(self.mixer_norm(x_BTD), cache)
         x_BTD = x_BTD + y
@@ -123,11 +129,11 @@ def scan_layers(layers: nnx.Module, fn, carry, xs, *, remat: bool = False, polic
     return jax.lax.scan(body, carry, (state, [leaf for leaf, s in zip(leaves, shared) if not s]))
 
 
-def per_layer(layers: nnx.Module, fn):
-    """`fn(block)` of every layer of the stacked module `layers`, its leaves stacked on a leading layers
-    axis (e.g. the decoding caches)."""
+def per_layer(layers: nnx.Module, fn, *xs):
+    """`fn(block, *xs_l)` of every layer of the stacked module `layers` (`xs` leaves stacked on a leading
+    layers axis, as the decoding caches), its leaves stacked on a leading layers axis."""
     graphdef, state = nnx.split(layers)
-    return jax.vmap(lambda s: fn(nnx.merge(graphdef, s)))(state)
+    return jax.vmap(lambda s, *x: fn(nnx.merge(graphdef, s), *x))(state, *xs)
 
 
 class LanguageModel(nnx.Module):
@@ -189,6 +195,13 @@ class LanguageModel(nnx.Module):
         if not self.scanned:
             return [block.init_cache(batch, max_len, dtype) for block in self.blocks]
         return per_layer(self.layers, lambda block: block.init_cache(batch, max_len, dtype))
+
+    def rebase_cache(self, cache):
+        """`cache` with each block's position counters brought back to a fresh state's where no output
+        changes (Block.rebase_cache), so train.state_passing can keep rows of a family that counts positions."""
+        if not self.scanned:
+            return [block.rebase_cache(layer_cache) for block, layer_cache in zip(self.blocks, cache)]
+        return per_layer(self.layers, lambda block, layer_cache: block.rebase_cache(layer_cache), cache)
 
     def decode(self, tokens_BT, cache, probe=None):
         """Feed `tokens [B, T]` (a prompt, or one new token) after what `cache` holds. `probe(block,

@@ -5,7 +5,8 @@ The shared backbone (`nlearn.models.lm`) with a Titans mixer in every block; the
 `model.segment_len` (MAC), `model.window` (MAG, MAL: the sliding window, > 0), `model.attn_conv_size`
 (all three: short convs on the attention's q, k, v; 0 disables), `model.mac_output` (MAC: "gate" or
 "add", how the attention output and the memory's read combine), `model.mac_memory_input` (MAC: "y",
-"x+y" or "x", what the memory writes and is read with), `model.mag_output` (MAG: "gate" or "blend"),
+"x+y" or "x", what the memory writes and is read with), `model.mac_positions` (MAC: "absolute" or
+"segment", RoPE positions in the stream or from each segment's start), `model.mag_output` (MAG: "gate" or "blend"),
 `model.mal_attn_input` (MAL: "m" or "x+m"). The paper's forms: docs/titans.md.
 """
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 from nlearn.errors import UserError
 from nlearn.layers.core import head_dim as head_dim_of
-from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MAG_OUTPUTS, MAL_ATTN_INPUTS, MACMixer,
-                                  MAGMixer, MALMixer, mac_memory_input, mac_output, mag_output, mal_attn_input)
+from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MAC_POSITIONS, MAG_OUTPUTS, MAL_ATTN_INPUTS,
+                                  MACMixer, MAGMixer, MALMixer, mac_memory_input, mac_output, mac_positions,
+                                  mag_output, mal_attn_input)
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
 
@@ -52,6 +54,7 @@ def validate_mac(config) -> None:
     _int_at_least(config.model, "segment_len", 1)
     _choice("mac_output", mac_output(config.model), MAC_OUTPUTS)
     _choice("mac_memory_input", mac_memory_input(config.model), MAC_MEMORY_INPUTS)
+    _choice("mac_positions", mac_positions(config.model), MAC_POSITIONS)
     if config.model.window:
         _fail("window", config.model.window, "titans_mac attends within segments; set model.segment_len "
               "instead (model.window must be 0)")

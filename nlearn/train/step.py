@@ -92,6 +92,7 @@ def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_st
         model = nnx.merge(graphdef, cast_params(params, dtype))
         b, t = batch["inputs"].shape
         fresh = model.init_cache(b, t)
+        carry = model.rebase_cache(carry)  # e.g. titans_mac's position, counted from its segment's start
         blocked = ~sp.shared_leaves_agree(carry, fresh, axes)  # e.g. a mini-batch position not back at 0
         keep_B = keep_B & ~blocked
         logits, final = model.decode(batch["inputs"], sp.start_states(carry, fresh, axes, keep_B))
