@@ -12,8 +12,9 @@ global batch) are part of the train state, so a checkpoint resumes them exactly.
 
 A decoding state may hold leaves shared by all rows, such as the place in the current mini-batch that Titans'
 and TTT's memories keep (`pos`). Such a leaf is carried too, and a step passes states only when its carried
-value is the one a fresh row starts with (a window that is a multiple of the mini-batch ends at `pos = 0`):
-then a kept row continues exactly as streaming would. Otherwise every row of that step starts fresh, and the
+value (after the model's `rebase_cache`: titans_mac with per-segment RoPE positions counts its stream position
+within the segment) is the one a fresh row starts with (a window that is a multiple of the mini-batch ends at
+`pos = 0`): then a kept row continues exactly as streaming would. Otherwise every row of that step starts fresh, and the
 step's `passing_blocked` metric says so (a counter of all tokens read, as Hope's or an attention cache's
 position, is never back at 0: such a family's rows always start fresh).
 """
