@@ -160,7 +160,8 @@ def niah_heatmap(label: str, record: dict, path: str) -> str:
     return path
 
 
-RUN_KEYS_IGNORED = ("workdir", "checkpoint", "logging", "wandb", "mesh")  # where a run writes and runs, not what
+# Where a run writes and runs, not what it trains (a section, or one dotted key).
+RUN_KEYS_IGNORED = ("workdir", "checkpoint", "logging", "wandb", "mesh", "data.cache_dir")
 
 
 def flat(node, prefix: str = "") -> dict:
@@ -189,7 +190,8 @@ def preset_overrides(family: str, config: dict) -> list[str]:
         return None
     ran = flat(config)
     return [f"--config.{k}={flag_value(json.loads(ran[k]))}" for k in sorted(ran)
-            if k in preset and ran[k] != preset[k] and k.split(".")[0] not in RUN_KEYS_IGNORED]
+            if k in preset and ran[k] != preset[k]
+            and not any(k == ignored or k.startswith(ignored + ".") for ignored in RUN_KEYS_IGNORED)]
 
 
 def flag_value(value) -> str:

@@ -16,7 +16,8 @@ def niah_record(family: str, seq_len: int, acc_by_length: dict) -> dict:
                "by_length": {str(n): a for n, a in acc_by_length.items()}, "by_length_depth": by_ld}
     return {"task": "niah", "step": 40, **summary, "by_variant": {"single_1": summary},
             "scoring": "RULER string_match_all", "config": {"model": {"family": family},
-                                                             "train": {"seq_len": seq_len, "batch_size": 4}}}
+                                                             "train": {"seq_len": seq_len, "batch_size": 4},
+                                                             "data": {"cache_dir": "/elsewhere/nlearn-cache"}}}
 
 
 def per_position_record(family: str, inner: bool) -> dict:
@@ -61,7 +62,7 @@ def test_make_results_writes_tables_and_plots(tmp_path):
     assert "| transformer | single_1 | 16 | 40 | 100% (16) | 5% (64) |  |  |  | 52% |" in niah  # no 16x: empty
     assert "| deltanet | not run |" in niah and "| hope | not run |" in niah  # every family has a row
     assert (f"nlearn-train --config=configs/niah.py:titans_lmm --workdir={runs / 'lmm'} --config.train.batch_size=4 "
-            "--config.train.seq_len=16\n") in niah  # what the run changed from today's preset
+            "--config.train.seq_len=16\n") in niah  # what the run changed from today's preset (not where it cached)
     for png in ("niah_titans_lmm.png", "niah_transformer.png", "per_position.png"):
         assert f"({png})" in (out / ("per_position.md" if png == "per_position.png" else "niah.md")).read_text()
         assert (out / png).stat().st_size > 2000
