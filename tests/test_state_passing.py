@@ -116,6 +116,7 @@ def test_a_shared_position_passes_states_only_where_a_fresh_row_starts(family):
                                     jnp.float32))[:, 12:]
     alone = np.asarray(token_losses(setup.graphdef, state["params"], window[:, :-1], window[:, 1:], jnp.float32))
     _, streamed = model.decode(jnp.concatenate([prefix, window[:, :-1]], 1), model.init_cache(4, 11))
+
     def as_cache(c):  # the carry is kept in float32; the model reads its counters as ints
         return jax.tree.map(lambda x, f: x.astype(f.dtype), c, model.init_cache(4, 11))
 

@@ -37,7 +37,7 @@ def validate_config(config) -> None:
     if memory is not None and memory.conv_init not in ShortConv.INITS:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
-    if memory is not None and ("qk_activation" in memory or "beta_gate" in memory):
+    if memory is not None:  # the delta rules' choices (other families' memories have neither key)
         from nlearn.layers.memory_mixer import DeltaNetMixer
         for key, choices in (("qk_activation", DeltaNetMixer.QK_ACTIVATIONS), ("beta_gate", DeltaNetMixer.BETA_GATES)):
             if key in memory and memory[key] not in choices:
