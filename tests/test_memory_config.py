@@ -67,9 +67,49 @@ def test_delta_rule_qk_activation():
     config.model.memory.qk_activation = "identity"
     config_lib.validate(config)
     assert abs(mean_key_overlap(config.model)) < 0.1
-    config.model.memory.qk_activation = "relu"
-    with pytest.raises(UserError, match="model.memory.qk_activation='relu'"):
+    config.model.memory.qk_activation = "tanh"
+    with pytest.raises(UserError, match="model.memory.qk_activation='tanh'"):
         config_lib.validate(config)
+
+
+def test_delta_rule_relu_keys_keep_an_untouched_coordinate_exactly():
+    """memory.qk_activation='relu' gives keys exact zeros (SiLU never does), and the state's row along a key
+    coordinate that no later key touches is kept exactly: a needle written there survives any number of writes
+    (chunked op, 1000 tokens that divide no chunk) on the other coordinates; an all-zero key writes nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from nlearn import config as config_lib
+    from nlearn.layers.memory_mixer import DeltaNetMixer, l2_normalize
+    from nlearn.memory.delta import delta_rule
+
+    config = load_family_config("deltanet")
+    config.model.memory.qk_activation = "relu"
+    config_lib.validate(config)
+    x = 10 * jax.random.normal(jax.random.key(0), (1, 64, config.model.d_model))
+    k = DeltaNetMixer(config.model, rngs=nnx.Rngs(0)).project(x)[1]
+    assert float(jnp.mean(k == 0.0)) > 0.2 and jnp.all(k >= 0.0)
+
+    rng = np.random.default_rng(0)
+    T, H, D = 1000, 2, 8
+    q, v = (jnp.asarray(rng.normal(size=(1, T, H, D)), jnp.float32) for _ in range(2))
+    k = jnp.asarray(rng.normal(size=(1, T, H, D)), jnp.float32)
+    k = k.at[:, 0].set(jnp.eye(D)[0]).at[:, 1:, :, 0].set(0.0)  # token 0 writes along e_0, no later key does
+    k = l2_normalize(jax.nn.relu(k)).at[:, 7].set(0.0)  # token 7: every coordinate negative before ReLU
+    beta = jnp.asarray(rng.uniform(0.5, 1.0, (1, T, H)), jnp.float32)
+    _, first_chunk = delta_rule(q[:, :64], k[:, :64], v[:, :64], beta[:, :64], chunk_size=64)
+    _, state = delta_rule(q, k, v, beta, chunk_size=64)  # [B, H, D_k, D_v]
+    np.testing.assert_array_equal(state[0, :, 0], first_chunk[0, :, 0])  # 936 later writes left it as it was
+    np.testing.assert_allclose(state[0, :, 0], beta[0, 0, :, None] * v[0, 0], rtol=1e-5, atol=1e-6)
+    silu_like = k.at[:, 1:, :, 0].set(0.05)  # a small nonzero component, as SiLU's: the needle is written over
+    _, worn = delta_rule(q, l2_normalize(silu_like), v, beta, chunk_size=64)
+    assert float(jnp.abs(worn[0, :, 0] - state[0, :, 0]).max()) > 0.5 * float(jnp.abs(state[0, :, 0]).max())
+    _, skipped = delta_rule(q[:, 6:], k[:, 6:], v[:, 6:], beta[:, 6:], impl="recurrent")
+    _, without = delta_rule(jnp.delete(q[:, 6:], 1, axis=1), jnp.delete(k[:, 6:], 1, axis=1),
+                            jnp.delete(v[:, 6:], 1, axis=1), jnp.delete(beta[:, 6:], 1, axis=1), impl="recurrent")
+    np.testing.assert_allclose(skipped, without, rtol=1e-6, atol=1e-7)
 
 
 def test_delta_rule_beta_min_bounds_the_write_strength():

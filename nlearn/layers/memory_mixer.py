@@ -183,15 +183,17 @@ class DeltaNetMixer(MemoryMixer):
 
     With `gated=True` it is Gated DeltaNet: `log a_t = -exp(A) * softplus(x W_a + dt_bias)`.
     `memory.qk_activation="identity"` drops the SiLU before the L2 norm: signed keys can be orthogonal,
-    where SiLU's mostly positive ones all overlap. `memory.beta_min` > 0 bounds every write's strength from
-    below (`beta = beta_min + (1 - beta_min) sigmoid(x W_b)`): weak writes make the state converge over a
-    repeated input so slowly that a short training window never shows its long-run value.
+    where SiLU's mostly positive ones all overlap; `"relu"` makes keys with exact zeros, so a key coordinate
+    that no later key touches keeps what was written along it exactly (and an all-zero key writes nothing).
+    `memory.beta_min` > 0 bounds every write's strength from below (`beta = beta_min + (1 - beta_min)
+    sigmoid(x W_b)`): weak writes make the state converge over a repeated input so slowly that a short
+    training window never shows its long-run value.
     `memory.beta_gate="hard_sigmoid"` makes the write gate `relu6(z + 3) / 6`, which reaches exactly 0 (and 1): a
     token written with beta 0 leaves the state as it was, so a learnt "skip" on the filler costs a stored
     association nothing however many filler tokens follow, where sigmoid's small betas still erase it slowly.
     """
 
-    QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x}
+    QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x, "relu": jax.nn.relu}
     BETA_GATES = {"sigmoid": jax.nn.sigmoid, "hard_sigmoid": jax.nn.hard_sigmoid}
 
     def __init__(self, cfg, *, gated: bool = False, rngs: nnx.Rngs):
