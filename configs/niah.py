@@ -45,6 +45,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # against 35% with two heads of 64 and 15% with four of 32; seeds 1-3 only 15 / 40 / 45% at 16x (two heads,
     # seed 1: 80%). A 24-tap convolution (memory.conv_size=24): 20% on seeds 0 and 1 (results/history.md, 2026-12-04).
     # A write gate that can close (memory.beta_gate="hard_sigmoid", beta_min 0): 25 / 20% on seeds 0 / 1 (2026-12-05).
+    # ReLU keys (memory.qk_activation="relu"): 20 / 20%. Seed 0 rerun on another machine: 25%; seed 4: 10%.
     "deltanet": {"memory.beta_min": 0.5, "num_heads": 8},
     "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
