@@ -13,6 +13,7 @@
 # ops_tests.log, bench.log, bench_ops.md. TOTAL_S bounds the whole run (default 540 s).
 set -u
 OUT=${OUT:-device_out}
+TOTAL_S=${TOTAL_S:-540}
 mkdir -p "$OUT"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -23,11 +24,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 } > "$OUT/env.txt" 2>&1
 
 # Equivalence tests in float32 at full precision (TF32 matmuls, the GPU default, are not what the twins pin).
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout $(( ${TOTAL_S:-540} / 2 )) python3 -m pytest tests/memory \
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout $(( TOTAL_S / 2 )) python3 -m pytest tests/memory \
   tests/test_titans_twins.py -q -n 4 -p no:cacheprovider --durations=5 > "$OUT/ops_tests.log" 2>&1
 echo "ops tests rc=$? at $(elapsed) s" >> "$OUT/env.txt"
 
-left=$(( ${TOTAL_S:-540} - $(elapsed) ))
+left=$(( TOTAL_S - $(elapsed) ))
 timeout $left python3 scripts/bench_ops.py --max_seconds=1 --out="$OUT/bench_ops.md" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? at $(elapsed) s (rows print as they are measured: bench.log holds them if it timed out)" \
   >> "$OUT/env.txt"

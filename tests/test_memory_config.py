@@ -106,9 +106,9 @@ def test_delta_rule_relu_keys_keep_an_untouched_coordinate_exactly():
     silu_like = k.at[:, 1:, :, 0].set(0.05)  # a small nonzero component, as SiLU's: the needle is written over
     _, worn = delta_rule(q, l2_normalize(silu_like), v, beta, chunk_size=64)
     assert float(jnp.abs(worn[0, :, 0] - state[0, :, 0]).max()) > 0.5 * float(jnp.abs(state[0, :, 0]).max())
-    _, skipped = delta_rule(q[:, 6:], k[:, 6:], v[:, 6:], beta[:, 6:], impl="recurrent")
-    _, without = delta_rule(jnp.delete(q[:, 6:], 1, axis=1), jnp.delete(k[:, 6:], 1, axis=1),
-                            jnp.delete(v[:, 6:], 1, axis=1), jnp.delete(beta[:, 6:], 1, axis=1), impl="recurrent")
+    from_6 = [x[:, 6:] for x in (q, k, v, beta)]  # token 7 is the second of these
+    _, skipped = delta_rule(*from_6, impl="recurrent")
+    _, without = delta_rule(*(jnp.delete(x, 1, axis=1) for x in from_6), impl="recurrent")
     np.testing.assert_allclose(skipped, without, rtol=1e-6, atol=1e-7)
 
 
