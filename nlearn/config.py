@@ -80,6 +80,10 @@ def base_config() -> ml_collections.ConfigDict:
     # (nlearn.train.state_passing; trains on the states long inputs reach). 0: every window starts fresh.
     c.train.state_passing = 0.0
     c.train.state_passing_from = 0  # the first step that passes states (post-training: a model learns first)
+    # Delta-rule families: weight of an L1 cost on the memories' write strengths (nlearn.train.write_penalty;
+    # the model learns to leave its state alone where a write does not lower the loss). 0: none.
+    c.train.write_penalty = 0.0
+    c.train.write_penalty_from = 0  # the first step that charges it (a model learns its task first)
     c.train.peak_gflops = 0.0  # for MFU; 0: measure this machine's f32 matmul rate at start
     # Benchmark options (nlearn.train.benchmark). XLA:CPU optimisation preset of the train/eval steps
     # ("default", "fast_compile", "fast_runtime"); ignored off the CPU.
@@ -128,6 +132,8 @@ MIGRATIONS = (
     ("train.final_eval", True, None),
     ("train.state_passing", 0.0, None),
     ("train.state_passing_from", 0, None),
+    ("train.write_penalty", 0.0, None),
+    ("train.write_penalty_from", 0, None),
     ("train.cpu_opt_preset", "default", None),
     ("train.time_budget_s", 0.0, None),
     ("model.remat_policy", "full", None),
@@ -184,7 +190,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Refuse invalid values with one line naming the key; call before anything runs."""
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
-    from nlearn.train import distributed
+    from nlearn.train import distributed, write_penalty
     from nlearn.train.benchmark import CPU_OPT_PRESETS
     from nlearn.train.optim import SCHEDULES
 
@@ -250,6 +256,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     distributed.validate(config)
     models.validate_config(config)
     _validate_state_passing(config)
+    write_penalty.validate(config)
 
 
 def _validate_state_passing(config) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from nlearn.train import mesh as mesh_lib
-from nlearn.train import state_passing
+from nlearn.train import state_passing, write_penalty
 from nlearn.train.step import make_train_step
 
 
@@ -31,8 +31,9 @@ class StepHook:
         t = self.config.train
         passing = ((t.state_passing, t.state_passing_from, state_passing.batch_axes(self.config))
                    if state_passing.enabled(self.config) else None)
+        penalty = (t.write_penalty, t.write_penalty_from) if write_penalty.enabled(self.config) else None
         step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype,
-                               state_passing=passing)
+                               state_passing=passing, write_penalty=penalty)
         jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                          out_shardings=(setup.state_shardings, None), donate_argnums=0,
                          compiler_options=self.compiler_options)

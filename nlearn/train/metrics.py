@@ -68,7 +68,8 @@ class Progress:
         self.reset_clock(step)
         out = dict(metrics, tokens_per_sec=rate, mfu=mfu)
         if self.enabled:
-            print(f"step {step:>6}/{self.total} | loss {metrics['loss']:.4f} | "
+            writes = f" | write cost {metrics['write_cost']:.3f}" if "write_cost" in metrics else ""
+            print(f"step {step:>6}/{self.total} | loss {metrics['loss']:.4f}{writes} | "
                   f"{rate / 1e3:7.2f}k tok/s | MFU {100 * mfu:5.1f}% | ETA {format_duration(eta)}",
                   flush=True)
         return out

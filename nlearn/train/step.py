@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 
 from nlearn.train import state_passing as sp
+from nlearn.train import write_penalty as wp
 
 
 def cast_params(params, dtype):
@@ -32,6 +33,12 @@ def token_losses(graphdef, params, inputs_BT, targets_BT, dtype):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
 
 
+def token_losses_and_write_cost(graphdef, params, inputs_BT, targets_BT, dtype):
+    """`token_losses` and the sum over layers of the memories' mean write cost (nlearn.train.write_penalty)."""
+    logits, cost = wp.run_costed(nnx.merge(graphdef, cast_params(params, dtype)).__call__, inputs_BT)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT), cost
+
+
 def weighted_sums(losses_BT, batch):
     """`(sum of losses x weights, sum of weights)`: every token weighs 1 unless the batch carries `weights`."""
     w = batch["weights"].astype(jnp.float32) if "weights" in batch else jnp.ones_like(losses_BT)
@@ -46,68 +53,88 @@ def apply_gradients(optimizer, state, grads) -> dict:
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_accum: int, dtype,
-                    state_passing=None):
+                    state_passing=None, write_penalty=None):
     """`(state, batch) -> (state, metrics)`; gradients averaged over `grad_accum` micro-batches.
 
     The loss is the mean token cross-entropy, or, when the batch carries `weights` (e.g. MQAR,
     where only answers count), the weighted mean over the whole batch. `state_passing`, when given, is
     `(probability, first step, cache batch axes)`: the step starts rows from `state["carry"]`
-    (nlearn.train.state_passing) and leaves the batch's final states there.
+    (nlearn.train.state_passing) and leaves the batch's final states there. `write_penalty`, when given, is
+    `(weight, first step)`: the loss adds weight x the memories' write cost (nlearn.train.write_penalty),
+    reported as the `write_cost` metric.
     """
     if state_passing is not None:
-        return _state_passing_step(graphdef, optimizer, dtype, *state_passing)
+        return _state_passing_step(graphdef, optimizer, dtype, *state_passing, write_penalty=write_penalty)
 
     def loss_parts(params, mb):
-        return weighted_sums(token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype), mb)
+        if write_penalty is None:
+            return weighted_sums(token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype), mb), 0.0
+        losses, cost = token_losses_and_write_cost(graphdef, params, mb["inputs"], mb["targets"], dtype)
+        return weighted_sums(losses, mb), cost
 
     def train_step(state, batch):
         micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
         total_weight = jnp.sum(batch["weights"].astype(jnp.float32)) if "weights" in batch else float(
             batch["targets"].size)
         total_weight = jnp.maximum(total_weight, 1.0)
+        penalty = 0.0 if write_penalty is None else wp.weight_at(state["step"], *write_penalty)
 
         def loss_fn(params, mb):
-            loss_sum, _ = loss_parts(params, mb)
-            return loss_sum / total_weight
+            (loss_sum, _), cost = loss_parts(params, mb)
+            return loss_sum / total_weight + penalty * cost / grad_accum, cost / grad_accum
 
-        grad_fn = jax.value_and_grad(loss_fn)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if grad_accum == 1:
-            loss, grads = grad_fn(state["params"], batch)
+            (loss, cost), grads = grad_fn(state["params"], batch)
         else:
             def accumulate(carry, mb):
                 return jax.tree.map(jnp.add, carry, grad_fn(state["params"], mb)), None
 
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
-            (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
-        return apply_gradients(optimizer, state, grads), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+            zero = ((jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
+                    jax.tree.map(jnp.zeros_like, state["params"]))
+            ((loss, cost), grads), _ = jax.lax.scan(accumulate, zero, micro)
+        metrics = {"loss": loss - penalty * cost, "grad_norm": optax.tree.norm(grads)}
+        if write_penalty is not None:
+            metrics["write_cost"] = cost
+        return apply_gradients(optimizer, state, grads), metrics
 
     return train_step
 
 
-def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_step: int, axes):
+def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_step: int, axes, *,
+                        write_penalty=None):
     """The train step of `train.state_passing` (one micro-batch): the forward is the model's `decode` from
     each row's start state, so the window continues the carried recurrence exactly as streaming would."""
 
-    def loss_fn(params, batch, carry, keep_B):
+    def loss_fn(params, batch, carry, keep_B, penalty):
         model = nnx.merge(graphdef, cast_params(params, dtype))
         b, t = batch["inputs"].shape
         fresh = model.init_cache(b, t)
         carry = model.rebase_cache(carry)  # e.g. titans_mac's position, counted from its segment's start
         blocked = ~sp.shared_leaves_agree(carry, fresh, axes)  # e.g. a mini-batch position not back at 0
         keep_B = keep_B & ~blocked
-        logits, final = model.decode(batch["inputs"], sp.start_states(carry, fresh, axes, keep_B))
+        start = sp.start_states(carry, fresh, axes, keep_B)
+        if write_penalty is None:
+            (logits, final), cost = model.decode(batch["inputs"], start), 0.0
+        else:
+            (logits, final), cost = wp.run_costed(model.decode, batch["inputs"], start)
         loss_sum, weight = weighted_sums(
             optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), batch)
-        return loss_sum / jnp.maximum(weight, 1.0), (final, keep_B, blocked)
+        loss = loss_sum / jnp.maximum(weight, 1.0)
+        return loss + penalty * cost, (loss, cost, final, keep_B, blocked)
 
     def train_step(state, batch):
         keep_B = sp.keep_rows(state["rng"], state["step"], batch["inputs"].shape[0], probability, first_step)
-        (loss, (final, keep_B, blocked)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], batch, state["carry"], keep_B)
+        penalty = 0.0 if write_penalty is None else wp.weight_at(state["step"], *write_penalty)
+        (_, (loss, cost, final, keep_B, blocked)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], batch, state["carry"], keep_B, penalty)
         new_state = dict(apply_gradients(optimizer, state, grads), carry=sp.next_carry(state["carry"], final, axes))
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                           "passed_rows": jnp.mean(keep_B.astype(jnp.float32)),
-                           "passing_blocked": (blocked & (state["step"] >= first_step)).astype(jnp.float32)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "passed_rows": jnp.mean(keep_B.astype(jnp.float32)),
+                   "passing_blocked": (blocked & (state["step"] >= first_step)).astype(jnp.float32)}
+        if write_penalty is not None:
+            metrics["write_cost"] = cost
+        return new_state, metrics
 
     return train_step
 

@@ -1,0 +1,123 @@
+"""train.write_penalty: the cost is each layer's mean write strength as the gate makes it, charged from its first
+step on both train steps (plain and state passing), it closes write gates by itself, and bad settings are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from run_helpers import load_family_config
+from nlearn import config as config_lib
+from nlearn.errors import UserError
+from nlearn.train import state_passing as sp
+from nlearn.train.state import make_setup
+from nlearn.train.step import make_train_step, token_losses_and_write_cost
+
+
+def small_config(family="deltanet", **train):
+    config = load_family_config(family)
+    with config.unlocked():
+        config.data.vocab_size = 61
+        config.model.update(vocab_size=61, d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
+        config.model.memory.update(chunk_size=4, beta_gate="hard_sigmoid")
+        config.train.update(batch_size=4, seq_len=11, warmup_steps=0, lr=1e-2, **train)
+    return config
+
+
+def tokens(shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 61, shape), jnp.int32)
+
+
+def gate_logits_by_layer(model, tokens_BT):
+    """Each layer's write-gate logits `[B, T, H]`, from the blocks' inputs as decoding sees them."""
+    logits = []
+
+    def probe(block, x, cache):
+        logits.append(np.asarray(block.mixer.beta(block.mixer_norm(x))))
+
+    model.decode(tokens_BT, model.init_cache(tokens_BT.shape[0], tokens_BT.shape[1]), probe=probe)
+    return logits
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
+    """hard_sigmoid: relu(z + 4) / 6 per token and head (unclipped above, a unit past the gate's closing edge);
+    rematerialised blocks report it too."""
+    config = small_config()
+    with config.unlocked():
+        config.model.remat = remat
+    setup = make_setup(config)
+    params = setup.init_state()["params"]
+    x = tokens((4, 10))
+    _, cost = token_losses_and_write_cost(setup.graphdef, params, x, x, jnp.float32)
+    z = gate_logits_by_layer(nnx.merge(setup.graphdef, params), x)
+    assert len(z) == 2
+    np.testing.assert_allclose(float(cost), sum(np.mean(np.maximum(zl + 4.0, 0.0) / 6.0) for zl in z), rtol=1e-5)
+
+
+def run_steps(config, n, passing=False, seed=0):
+    setup = make_setup(config)
+    state = setup.init_state()
+    t = config.train
+    penalty = (t.write_penalty, t.write_penalty_from) if t.write_penalty else None
+    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=jnp.float32,
+                                   state_passing=((0.5, 0, sp.batch_axes(config)) if passing else None),
+                                   write_penalty=penalty))
+    history = []
+    for i in range(n):
+        window = tokens((4, 12), seed + i)
+        state, metrics = step(state, {"inputs": window[:, :-1], "targets": window[:, 1:]})
+        history.append(jax.device_get(metrics))
+    return setup, state, history
+
+
+@pytest.mark.parametrize("passing", [False, True], ids=["plain", "state_passing"])
+def test_the_cost_is_charged_from_its_first_step_and_the_loss_metric_stays_the_cross_entropy(passing):
+    extra = dict(state_passing=0.5) if passing else {}
+    _, plain, plain_history = run_steps(small_config(**extra), 3, passing)
+    _, charged, charged_history = run_steps(small_config(write_penalty=5.0, write_penalty_from=2, **extra), 3,
+                                            passing)
+    leaves = lambda state: jax.tree.leaves(state["params"])  # noqa: E731
+    for step in (0, 1):  # before write_penalty_from: the same steps, to the bit
+        assert charged_history[step]["loss"] == plain_history[step]["loss"]
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(plain), leaves(charged)))
+    # the third step's loss metric is the cross-entropy alone, which both runs compute from the same params
+    np.testing.assert_allclose(charged_history[2]["loss"], plain_history[2]["loss"], rtol=1e-6)
+    assert charged_history[2]["write_cost"] > 0
+
+
+def test_the_cost_alone_closes_every_write_gate_exactly():
+    """A heavy cost (and answers of no use to any write) drives every gate past its edge: beta is exactly 0."""
+    config = small_config(write_penalty=100.0)
+    setup, state, history = run_steps(config, 60)
+    assert history[-1]["write_cost"] < 0.1 * history[0]["write_cost"]
+    x = tokens((4, 10), 99)
+    z = gate_logits_by_layer(nnx.merge(setup.graphdef, state["params"]), x)
+    beta = [np.asarray(jax.nn.hard_sigmoid(zl)) for zl in z]
+    assert all((b == 0).all() for b in beta)
+    _, uncharged, _ = run_steps(small_config(), 60)  # without the cost, the gates stay open
+    z = gate_logits_by_layer(nnx.merge(setup.graphdef, uncharged["params"]), x)
+    assert all((np.asarray(jax.nn.hard_sigmoid(zl)) > 0).mean() > 0.5 for zl in z)
+
+
+@pytest.mark.parametrize("family, overrides, culprit", [
+    ("deltanet", dict(write_penalty=-0.1), "train.write_penalty=-0.1"),
+    ("deltanet", dict(write_penalty=0.1, write_penalty_from=-1), "train.write_penalty_from=-1"),
+    ("titans_lmm", dict(write_penalty=0.1), "has no write gate"),
+])
+def test_bad_settings_are_refused_with_the_culprit(family, overrides, culprit):
+    config = load_family_config(family)
+    with config.unlocked():
+        config.train.update(**overrides)
+    with pytest.raises(UserError, match=culprit):
+        config_lib.validate(config)
+
+
+def test_scanned_layers_are_refused():
+    config = load_family_config("deltanet")
+    with config.unlocked():
+        config.model.scan_layers = True
+        config.train.write_penalty = 0.1
+    with pytest.raises(UserError, match="scan_layers=False"):
+        config_lib.validate(config)
