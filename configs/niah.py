@@ -38,15 +38,11 @@ BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="cosine", min_lr_ratio
 # As configs/mqar.py: linear Titans memories (a deep one costs ~11x more per token on CPU) with a stronger
 # inner learning rate.
 FAMILY_OVERRIDES: dict[str, dict] = {
-    # beta >= 0.5: weak writes (the preset's filler betas were ~0.1 in one head a layer) leave the state over the
-    # repeated filler far from its long-run value within 512 tokens. S-NIAH-1 at 4x / 16x, seeds 0 and 1: 100 / 35
-    # and 100 / 50% with the floor, 100 / 30 and 25 / 0% without (results/history.md, 2026-12-03 evening).
-    # Eight heads of 16: with state passing (below) seed 0 scores 95% at 16x and 32x (95 of 100 prompts each),
-    # against 35% with two heads of 64 and 15% with four of 32; seeds 1-3 only 15 / 40 / 45% at 16x (two heads,
-    # seed 1: 80%). A 24-tap convolution (memory.conv_size=24): 20% on seeds 0 and 1 (results/history.md, 2026-12-04).
-    # A write gate that can close (memory.beta_gate="hard_sigmoid", beta_min 0): 25 / 20% on seeds 0 / 1 (2026-12-05).
-    # ReLU keys (memory.qk_activation="relu"): 20 / 20%. Seed 0 rerun on another machine: 25%; seed 4: 10%.
-    "deltanet": {"memory.beta_min": 0.5, "num_heads": 8},
+    # deltanet: eight heads of 16 and a write gate that can close exactly (hard_sigmoid, no floor), which the write
+    # cost below teaches to close on the filler. Without the cost the same model wrote most filler tokens (beta
+    # ~0.5-1 in five of eight heads a layer) and lost the needle past ~4x: 10-45% at 16x over six seeds with a
+    # floor beta >= 0.5 instead, 20-25% with this gate (results/history.md, 2026-12-03 to 2026-12-06).
+    "deltanet": {"memory.beta_gate": "hard_sigmoid", "memory.beta_min": 0.0, "num_heads": 8},
     "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
     # minibatch 1: a mini-batch takes all its gradients at its start state, so b keys that point alike add up
@@ -57,15 +53,20 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
     "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
 }
-# Post-training with state passing (nlearn.train.state_passing): after the 4500 steps (whose cosine ends there),
-# 2000 more at the floor lr in which a row continues, with probability 0.9, from the state its previous (unrelated)
-# prompt ended in, so the model meets the states a long haystack reaches. From the first step it stalls learning
-# (answer loss ~1.45 for 3000 steps). deltanet with two heads, S-NIAH-1 at 16x / 32x: 80 / 80% from scratch
-# (seed 1); from the step-4500 checkpoints 90 / 85% (seed 1) and 35 / 25% (seed 0), against 50 / 20% and
-# 35 / 15% before (results/history.md, 2026-12-03 night).
+# deltanet's post-training: after the 4500 steps (whose cosine ends there), 2000 more at the floor lr with
+# - an L1 cost on its write strengths (train.write_penalty, 0.05 x each layer's mean), so the memory learns to
+#   skip what the answer never needs, the filler: a skipped token (beta exactly 0) leaves the state as it was,
+#   however long the haystack;
+# - state passing (train.state_passing): a row continues, with probability 0.9, from the state its previous
+#   (unrelated) prompt ended in, so the model meets states a long input reaches.
+# S-NIAH-1 at 16x: 100% (seed 0: every length to 32x) and 20% (seed 1). Where it fails, one first-layer head
+# stores the needle at tokens the filler repeats (the `.` after the digits), and a first-layer gate, which sees
+# the token alone, cannot skip one and keep the other. The cost from step 3000 instead: 25 / 35% (seeds 1 / 2);
+# the cost for 800 steps after the gate-only preset's 6500: 100% to 32x (results/history.md, 2026-12-06).
 TRAIN_OVERRIDES: dict[str, dict] = {
     "deltanet": dict(steps=BUDGET["steps"] + 2000, decay_steps=BUDGET["steps"], state_passing=0.9,
-                     state_passing_from=BUDGET["steps"]),
+                     state_passing_from=BUDGET["steps"], write_penalty=0.05,
+                     write_penalty_from=BUDGET["steps"]),
 }
 # Self-referential memories (self_ref_titans, hope) take configs/mqar.py's memory settings: with the LM defaults
 # (lr_max 0.5, HOPE.md's targets and steps) a write stores under 1% of its error and recall is not learnt.
