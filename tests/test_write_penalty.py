@@ -121,3 +121,11 @@ def test_scanned_layers_are_refused():
         config.train.write_penalty = 0.1
     with pytest.raises(UserError, match="scan_layers=False"):
         config_lib.validate(config)
+
+
+def test_micro_batches_report_the_same_loss_and_cost_as_one_batch():
+    """grad_accum=2 sums each half's share: the cross-entropy and the write cost of the whole batch."""
+    _, _, whole = run_steps(small_config(write_penalty=5.0), 1)
+    _, _, halves = run_steps(small_config(write_penalty=5.0, grad_accum=2), 1)
+    for key in ("loss", "write_cost"):
+        np.testing.assert_allclose(halves[0][key], whole[0][key], rtol=1e-5)

@@ -81,19 +81,20 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_a
 
         def loss_fn(params, mb):
             (loss_sum, _), cost = loss_parts(params, mb)
-            return loss_sum / total_weight + penalty * cost / grad_accum, cost / grad_accum
+            loss = loss_sum / total_weight
+            return loss + penalty * cost / grad_accum, (loss, cost / grad_accum)
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if grad_accum == 1:
-            (loss, cost), grads = grad_fn(state["params"], batch)
+            (_, (loss, cost)), grads = grad_fn(state["params"], batch)
         else:
             def accumulate(carry, mb):
                 return jax.tree.map(jnp.add, carry, grad_fn(state["params"], mb)), None
 
-            zero = ((jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
-                    jax.tree.map(jnp.zeros_like, state["params"]))
-            ((loss, cost), grads), _ = jax.lax.scan(accumulate, zero, micro)
-        metrics = {"loss": loss - penalty * cost, "grad_norm": optax.tree.norm(grads)}
+            nothing = jnp.zeros((), jnp.float32)
+            zero = ((nothing, (nothing, nothing)), jax.tree.map(jnp.zeros_like, state["params"]))
+            ((_, (loss, cost)), grads), _ = jax.lax.scan(accumulate, zero, micro)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         if write_penalty is not None:
             metrics["write_cost"] = cost
         return apply_gradients(optimizer, state, grads), metrics
