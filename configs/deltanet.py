@@ -17,4 +17,4 @@ PRESETS = {
 
 def get_config(preset: str = "tiny"):
     return family_config("deltanet", PRESETS, preset, memory=linear_memory(
-        qk_activation="silu", beta_min=0.0, beta_gate="sigmoid"))
+        qk_activation="silu", beta_min=0.0, beta_gate="sigmoid", gate_conv=False))

@@ -145,6 +145,7 @@ MIGRATIONS = (
     ("model.memory.qk_activation", "silu", lambda c: c.model.family in ("deltanet", "gated_deltanet")),
     ("model.memory.beta_min", 0.0, lambda c: c.model.family in ("deltanet", "gated_deltanet")),
     ("model.memory.beta_gate", "sigmoid", lambda c: c.model.family in ("deltanet", "gated_deltanet")),
+    ("model.memory.gate_conv", False, lambda c: c.model.family in ("deltanet", "gated_deltanet")),
     ("model.memory.decay_init", DECAY_INIT, lambda c: "decay" in c.model.memory),  # the neural memories
     ("model.attn_conv_size", 0, lambda c: c.model.family in ("titans_mac", "titans_mag", "titans_mal")),
     ("model.mac_output", "gate", lambda c: c.model.family == "titans_mac"),

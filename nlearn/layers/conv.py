@@ -15,7 +15,8 @@ class ShortConv(nnx.Module):
 
     INITS = ("identity", "uniform")
 
-    def __init__(self, channels: int, kernel: int = 4, *, init: str = "identity", rngs: nnx.Rngs):
+    def __init__(self, channels: int, kernel: int = 4, *, init: str = "identity", channel_axis: str = "heads",
+                 rngs: nnx.Rngs):
         """init="identity": the newest tap starts at 1, older taps ~N(0, 0.02) (the layer starts
         as a pass-through); "uniform": every tap ~U(-1/sqrt(K), 1/sqrt(K)), PyTorch's Conv1d
         default as in FLA's ShortConvolution (each channel starts as a random mix of the last K
@@ -24,12 +25,12 @@ class ShortConv(nnx.Module):
             raise ValueError(f"init={init!r}: valid {', '.join(self.INITS)}")
         self.kernel_size = kernel
         if init == "identity":
-            w = 0.02 * param(rngs, (kernel, channels), ("conv", "heads"))[...]
+            w = 0.02 * param(rngs, (kernel, channels), ("conv", channel_axis))[...]
             w = w.at[-1].add(1.0)
         else:
             bound = 1.0 / kernel ** 0.5
             w = jax.random.uniform(rngs.params(), (kernel, channels), minval=-bound, maxval=bound)
-        self.weight = nnx.Param(w, out_sharding=("conv", "heads"), eager_sharding=False)
+        self.weight = nnx.Param(w, out_sharding=("conv", channel_axis), eager_sharding=False)
 
     def init_cache(self, batch: int, channels: int, dtype=jnp.float32):
         return jnp.zeros((batch, self.kernel_size - 1, channels), dtype)

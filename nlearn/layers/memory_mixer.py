@@ -58,6 +58,7 @@ class MemoryMixer(nnx.Module):
         self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs) if output else None
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs) if output else None
         self.chunk_size = mem.chunk_size
+        self.gate_conv = nnx.data(None)  # a subclass's ShortConv over the gates' input `[B, T, d_model]`, if any
 
     # --- to override -----------------------------------------------------------------------
     def featurize(self, q, k, v):
@@ -78,6 +79,8 @@ class MemoryMixer(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         width = self.num_heads * self.head_dim
         convs = [conv.init_cache(batch, width, dtype) for conv in self.convs]
+        if self.gate_conv is not None:  # last in the list, after q, k and v's
+            convs.append(self.gate_conv.init_cache(batch, self.gate_conv.weight.shape[1], dtype))
         return {"convs": convs, "state": self.initial_state(batch)}
 
     def project(self, x_BTD, cache=None):
@@ -90,7 +93,11 @@ class MemoryMixer(nnx.Module):
                 h, c = self.convs[i](h, None if cache is None else cache["convs"][i])
                 conv_caches.append(c)
             qkv.append(h.reshape(b, t, self.num_heads, self.head_dim))
-        return (*self.featurize(*qkv), self.gates(x_BTD), conv_caches)
+        gate_in = x_BTD
+        if self.gate_conv is not None:
+            gate_in, c = self.gate_conv(x_BTD, None if cache is None else cache["convs"][len(self.convs)])
+            conv_caches.append(c)
+        return (*self.featurize(*qkv), self.gates(gate_in), conv_caches)
 
     def heads(self, x_BTD, cache=None):
         """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache."""
@@ -116,8 +123,13 @@ class MemoryMixer(nnx.Module):
             return op(q, k, v, *gates, axis_name=sp.SEQUENCE_AXIS)[0]
 
         seq = P(None, sp.SEQUENCE_AXIS)
+        gate_in = x_BTD
+        if self.gate_conv is not None:
+            gate_in = jax.shard_map(lambda w, x: causal_conv_over_sequence(x, w, sp.SEQUENCE_AXIS),
+                                    in_specs=(P(), seq), out_specs=seq, axis_names={sp.SEQUENCE_AXIS})(
+                self.gate_conv.weight[...].astype(x_BTD.dtype), x_BTD)
         return jax.shard_map(shard, in_specs=(P(), seq, seq), out_specs=seq, axis_names={sp.SEQUENCE_AXIS})(
-            weights, projected, self.gates(x_BTD))
+            weights, projected, self.gates(gate_in))
 
     # --- diagnostics -----------------------------------------------------------------------
     def inner_objective(self):
@@ -191,6 +203,9 @@ class DeltaNetMixer(MemoryMixer):
     `memory.beta_gate="hard_sigmoid"` makes the write gate `relu6(z + 3) / 6`, which reaches exactly 0 (and 1): a
     token written with beta 0 leaves the state as it was, so a learnt "skip" on the filler costs a stored
     association nothing however many filler tokens follow, where sigmoid's small betas still erase it slowly.
+    `memory.gate_conv=True` feeds the gates (beta, and the decay when gated) a short causal conv of the input,
+    as Mamba's dt reads its conv: a gate then sees the last few tokens, not one token alone, so it can write a
+    `.` after a needle's digits and skip the same `.` after filler. It starts as the identity (the token gate).
     """
 
     QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x, "relu": jax.nn.relu}
@@ -217,6 +232,9 @@ class DeltaNetMixer(MemoryMixer):
             dt = jnp.exp(jax.random.uniform(rngs.params(), (self.num_heads,),
                                             minval=math.log(1e-3), maxval=math.log(0.1)))
             self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), out_sharding=("heads",), eager_sharding=False)
+        if cfg.memory.get("gate_conv", False):  # created last: the other parameters draw as without it
+            self.gate_conv = ShortConv(cfg.d_model, cfg.memory.conv_size or 4, init="identity", channel_axis="embed",
+                                       rngs=rngs)
 
     def featurize(self, q, k, v):
         return l2_normalize(self.qk_activation(q)), l2_normalize(self.qk_activation(k)), jax.nn.silu(v)
