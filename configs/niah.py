@@ -38,11 +38,12 @@ BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="cosine", min_lr_ratio
 # As configs/mqar.py: linear Titans memories (a deep one costs ~11x more per token on CPU) with a stronger
 # inner learning rate.
 FAMILY_OVERRIDES: dict[str, dict] = {
-    # deltanet: eight heads of 16 and a write gate that can close exactly (hard_sigmoid, no floor), which the write
-    # cost below teaches to close on the filler. Without the cost the same model wrote most filler tokens (beta
-    # ~0.5-1 in five of eight heads a layer) and lost the needle past ~4x: 10-45% at 16x over six seeds with a
-    # floor beta >= 0.5 instead, 20-25% with this gate (results/history.md, 2026-12-03 to 2026-12-06).
-    "deltanet": {"memory.beta_gate": "hard_sigmoid", "memory.beta_min": 0.0, "num_heads": 8},
+    # deltanet: eight heads of 16 and a write gate that can close exactly (hard_sigmoid, no floor) and reads the
+    # last few tokens (gate_conv), which the write cost below teaches to close on the filler. Without the cost the
+    # same model wrote most filler tokens (beta ~0.5-1 in five of eight heads a layer) and lost the needle past
+    # ~4x: 10-45% at 16x over six seeds with a floor beta >= 0.5 instead, 20-25% with the hard gate alone
+    # (results/history.md, 2026-12-03 to 2026-12-06).
+    "deltanet": {"memory.beta_gate": "hard_sigmoid", "memory.beta_min": 0.0, "memory.gate_conv": True, "num_heads": 8},
     "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
     # minibatch 1: a mini-batch takes all its gradients at its start state, so b keys that point alike add up
@@ -53,20 +54,18 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
     "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
 }
-# deltanet's post-training: after the 4500 steps (whose cosine ends there), 2000 more at the floor lr with
-# - an L1 cost on its write strengths (train.write_penalty, 0.05 x each layer's mean), so the memory learns to
-#   skip what the answer never needs, the filler: a skipped token (beta exactly 0) leaves the state as it was,
-#   however long the haystack;
-# - state passing (train.state_passing): a row continues, with probability 0.9, from the state its previous
-#   (unrelated) prompt ended in, so the model meets states a long input reaches.
-# S-NIAH-1 at 16x: 100% (seed 0: every length to 32x) and 20% (seed 1). Where it fails, one first-layer head
-# stores the needle at tokens the filler repeats (the `.` after the digits), and a first-layer gate, which sees
-# the token alone, cannot skip one and keep the other. The cost from step 3000 instead: 25 / 35% (seeds 1 / 2);
-# the cost for 800 steps after the gate-only preset's 6500: 100% to 32x (results/history.md, 2026-12-06).
+# deltanet's schedule: from step 3000 (mid-cosine, the task learnt) an L1 cost on its write strengths
+# (train.write_penalty, 0.2 x each layer's mean), so the memory learns to skip what the answer never needs, the
+# filler: a skipped token (beta exactly 0) leaves the state as it was, however long the haystack. The gates read a
+# short conv of the last four tokens (memory.gate_conv): a gate that sees the token alone gives every `.` one beta,
+# and runs that stored the needle at the `.` after its digits had to keep writing every filler `.` too. After the
+# 4500 steps (whose cosine ends there), 2000 more at the floor lr with state passing (train.state_passing): a row
+# continues, with probability 0.9, from the state its previous (unrelated) prompt ended in.
+# S-NIAH-1 at 16x: 100 / 95% (seeds 1 / 2; every filler gate closed). The cost from step 4500 at 0.05 without the
+# conv: 100 / 20% (seeds 0 / 1); with it: 55 / 25% (seeds 1 / 2) (results/history.md, 2026-12-06).
 TRAIN_OVERRIDES: dict[str, dict] = {
     "deltanet": dict(steps=BUDGET["steps"] + 2000, decay_steps=BUDGET["steps"], state_passing=0.9,
-                     state_passing_from=BUDGET["steps"], write_penalty=0.05,
-                     write_penalty_from=BUDGET["steps"]),
+                     state_passing_from=BUDGET["steps"], write_penalty=0.2, write_penalty_from=3000),
 }
 # Self-referential memories (self_ref_titans, hope) take configs/mqar.py's memory settings: with the LM defaults
 # (lr_max 0.5, HOPE.md's targets and steps) a write stores under 1% of its error and recall is not learnt.
