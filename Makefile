@@ -41,22 +41,22 @@ eval: setup
 
 ## Benchmarks of the memory ops (prints a markdown table; ARGS=--results also writes results/bench_ops.md).
 bench: setup
-	$(BIN)/python scripts/bench_ops.py $(ARGS)
+	$(BIN)/python benchmarks/bench_ops.py $(ARGS)
 
 ## Train every family on MQAR and write results/mqar.md.
 mqar: setup
-	$(BIN)/python scripts/mqar.py $(ARGS)
+	$(BIN)/python benchmarks/mqar.py $(ARGS)
 
 ## Tables and plots in results/ from the workdirs' eval/*.json (ARGS: workdir globs, default runs/* runs/*/*).
 results: setup
-	$(BIN)/python scripts/make_results.py $(ARGS)
+	$(BIN)/python benchmarks/make_results.py $(ARGS)
 
 ## Rebuild notebooks/*.ipynb (outputs stripped) from their sources in notebooks/src/.
 notebooks: setup
 	$(BIN)/python notebooks/build.py
 
 lint: setup
-	$(BIN)/ruff check nlearn scripts configs tests
+	$(BIN)/ruff check nlearn scripts benchmarks configs tests
 
 clean:
 	rm -rf runs .pytest_cache

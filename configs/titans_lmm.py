@@ -20,7 +20,7 @@ PRESETS = {
 
 
 # The memory trains ~3x slower than attention on CPU: fewer steps (of the same 16 x 256 tokens) keep
-# `make train` near 10 minutes on 2 cores; scripts/compare_lm.py trains the Transformer++ as long.
+# `make train` near 10 minutes on 2 cores; benchmarks/compare_lm.py trains the Transformer++ as long.
 TINY_TRAIN = dict(steps=75)
 
 

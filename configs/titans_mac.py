@@ -20,7 +20,7 @@ from nlearn.presets import family_config
 # "x+y" or "x" (the segment's tokens). mac_positions: RoPE positions in the stream ("absolute") or from each
 # segment's start ("segment": the same attention at any length; nlearn.layers.titans.MACMixer).
 PAPER_WIRING = dict(attn_conv_size=4, mac_output="gate", mac_memory_input="y", mac_positions="absolute")
-# tiny (and configs/mqar.py, built on it) keeps "add" with "x": it recalls better at small scale (MQAR: the
+# tiny (and benchmarks/configs/mqar.py, built on it) keeps "add" with "x": it recalls better at small scale (MQAR: the
 # gate with y levelled off near 20%; added, x learnt recall across segments far faster than x + y; docs/titans.md).
 SMALL_WIRING = dict(attn_conv_size=4, mac_output="add", mac_memory_input="x", mac_positions="absolute")
 TINY = dict(segment_len=64, num_persistent=4, **SMALL_WIRING)

@@ -1,4 +1,4 @@
-"""`scripts/make_results.py` (`make results`) on eval records fabricated here, as `nlearn-eval` writes them."""
+"""`benchmarks/make_results.py` (`make results`) on eval records fabricated here, as `nlearn-eval` writes them."""
 
 from __future__ import annotations
 
@@ -61,8 +61,9 @@ def test_make_results_writes_tables_and_plots(tmp_path):
     assert "| titans_lmm | single_1 | 16 | 40 | 100% (16) | 95% (64) | 90% (256) |  |  | 95% |" in niah
     assert "| transformer | single_1 | 16 | 40 | 100% (16) | 5% (64) |  |  |  | 52% |" in niah  # no 16x: empty
     assert "| deltanet | not run |" in niah and "| hope | not run |" in niah  # every family has a row
-    assert (f"nlearn-train --config=configs/niah.py:titans_lmm --workdir={runs / 'lmm'} --config.train.batch_size=4 "
-            "--config.train.seq_len=16\n") in niah  # what the run changed from today's preset (not where it cached)
+    # what the run changed from today's preset (not where it cached)
+    assert (f"nlearn-train --config=benchmarks/configs/niah.py:titans_lmm --workdir={runs / 'lmm'} "
+            "--config.train.batch_size=4 --config.train.seq_len=16\n") in niah
     for png in ("niah_titans_lmm.png", "niah_transformer.png", "per_position.png"):
         assert f"({png})" in (out / ("per_position.md" if png == "per_position.png" else "niah.md")).read_text()
         assert (out / png).stat().st_size > 2000

@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"nlearn_script_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"nlearn_script_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -122,10 +123,10 @@ def test_results_files_say_which_command_made_them_where_and_when(tmp_path):
                         r"20\d\d-\d\d-\d\d\.", lines[2]), lines[2]
     for script, name in [("mqar", "mqar.md"), ("ablate", "ablations.md"),
                          ("bench_ops", "bench_ops.md")]:  # each script rewrites its own file, never README.md
-        text = open(os.path.join(ROOT, "scripts", f"{script}.py")).read()
+        text = open(os.path.join(ROOT, "benchmarks", f"{script}.py")).read()
         writer = "write_section" if script == "ablate" else "write_results"  # ablate: a section per family
         assert f'{writer}("{name}"' in text and "README.md" not in text
-    text = open(os.path.join(ROOT, "scripts", "compare_lm.py")).read()  # two files: five rows, the ladder
+    text = open(os.path.join(ROOT, "benchmarks", "compare_lm.py")).read()  # two files: five rows, the ladder
     assert '"lm_comparison.md"' in text and '"ladder.md"' in text and "write_results(name" in text
     assert "README.md" not in text
 

@@ -58,7 +58,7 @@ def test_training_on_a_split_sequence_matches_one_device(tmp_path, cache_dir, te
 
 @pytest.mark.slow
 def test_memory_script_shows_the_split_step_smaller_and_its_collectives():
-    proc = subprocess.run([sys.executable, "scripts/seqpar_memory.py", "--tokens=512", "--devices=4", "--run"],
+    proc = subprocess.run([sys.executable, "benchmarks/seqpar_memory.py", "--tokens=512", "--devices=4", "--run"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

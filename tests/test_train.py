@@ -208,7 +208,7 @@ def test_mqar_curriculum_run_resumes_across_the_stage_change(tmp_path):
     """A curriculum changes the batch shape mid-run (one more compile); a run that ends inside the
     first stage and is then extended ends exactly where an uninterrupted run does."""
     def cmd(workdir, steps):
-        return ["--config=configs/mqar.py:deltanet", f"--workdir={workdir}", *[
+        return ["--config=benchmarks/configs/mqar.py:deltanet", f"--workdir={workdir}", *[
             f"--config.{k}={v}" for k, v in {
                 "model.d_model": 32, "model.num_layers": 1, "model.mlp_dim": 32, "data.vocab_size": 64,
                 "train.seq_len": 32, "train.batch_size": 2, "train.steps": steps, "train.log_every": 2,

@@ -49,7 +49,7 @@ def resolve_chunked(impl: str) -> str:
     """Map `impl="chunked"` to the faster chunked form for the default backend.
 
     On CPU a `lax.scan` over chunks, rematerialized per chunk, wins: its tiles stay in cache and
-    it allocates little (`scripts/bench_ops.py`). On GPU/TPU the form that does every chunk's
+    it allocates little (`benchmarks/bench_ops.py`). On GPU/TPU the form that does every chunk's
     intra-chunk work at once feeds the matrix units better.
     """
     if impl != "chunked":

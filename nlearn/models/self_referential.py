@@ -35,7 +35,7 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.chunk_other = 64  # tokens per chunk of the generators k, v, lr, retain (one chunk size divides the other)
     c.read = "after_write"  # or "before_write" (eq. 86 literally), "chunk_start" (eq. 90 literally)
     # The layer reads o = M(q) = q + act(q W_in) W_out; False: act(q W_in) W_out alone (the skip q no longer
-    # swamps what the memory recalls; configs/mqar.py)
+    # swamps what the memory recalls; benchmarks/configs/mqar.py)
     c.read_residual = True
     c.dgd = True  # delta-gradient descent on the memories' input layers (False: plain GD with retention)
     c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps

@@ -36,7 +36,7 @@ spec.loader.exec_module(mqar)
 # %% [markdown]
 # ## Train briefly
 #
-# The MQAR preset for `titans_mac` (`configs/mqar.py:titans_mac`), shrunk: windows of 64 tokens with 4
+# The MQAR preset for `titans_mac` (`benchmarks/configs/mqar.py:titans_mac`), shrunk: windows of 64 tokens with 4
 # pairs, segments of 16 tokens (so a window spans 4 segments), one layer, 30 steps.
 
 # %%

@@ -1,4 +1,4 @@
-"""configs/mqar.py presets (one task and budget for every family) and the `make mqar` table."""
+"""benchmarks/configs/mqar.py presets (one task and budget for every family) and the `make mqar` table."""
 
 import importlib.util
 import os
@@ -20,12 +20,11 @@ def load(relpath: str, name: str):
 
 @pytest.fixture(scope="module")
 def presets():
-    return load("configs/mqar.py", "mqar_presets_under_test")
+    return load("benchmarks/configs/mqar.py", "mqar_presets_under_test")
 
 
 def families():
-    return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
-                  if f.endswith(".py") and f not in ("mqar.py", "niah.py"))
+    return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
 
 
 def lookup(config, key: str):
@@ -84,7 +83,7 @@ def test_unknown_family_names_the_valid_ones(presets):
 
 
 def test_table_and_note():
-    script = load("scripts/mqar.py", "mqar_script_under_test")
+    script = load("benchmarks/mqar.py", "mqar_script_under_test")
     rows = [{"family": "deltanet", "accuracy": 0.995, "params_m": 0.53, "train_seconds": 300.0,
              "step": 1000, "stopped_at_limit": False},
             {"family": "titans_mac", "accuracy": 0.5, "params_m": 0.86, "train_seconds": 600.0,
@@ -135,7 +134,7 @@ def test_table_and_note():
 
 
 def test_niah_presets_give_self_referential_memories_the_mqar_settings(presets):
-    niah = load("configs/niah.py", "niah_presets_under_test")
+    niah = load("benchmarks/configs/niah.py", "niah_presets_under_test")
     recall = presets.FAMILY_OVERRIDES["self_ref_titans"]
     for family in niah.SELF_REFERENTIAL_FAMILIES:
         c = niah.get_config(family)

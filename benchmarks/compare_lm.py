@@ -7,17 +7,17 @@ repeats every row per seed (the seed sets the initialisation and the batch order
 mean and the spread. The parameter counts are checked first (without allocating): a row more than 5%
 from the tiny Transformer++ is flagged in the table and warned about.
 
-  python scripts/compare_lm.py --steps=75                     # the five rows of results/lm_comparison.md
-  python scripts/compare_lm.py --families=all --seeds=0,1     # every family: results/ladder.md
-  python scripts/compare_lm.py --families=transformer,hope --params-only
-  python scripts/compare_lm.py --steps=300 -- --config.train.seq_len=64   # overrides for every row
+  python benchmarks/compare_lm.py --steps=75                     # the five rows of results/lm_comparison.md
+  python benchmarks/compare_lm.py --families=all --seeds=0,1     # every family: results/ladder.md
+  python benchmarks/compare_lm.py --families=transformer,hope --params-only
+  python benchmarks/compare_lm.py --steps=300 -- --config.train.seq_len=64   # overrides for every row
 
 Each run prints one JSON line, and the runs behind a table are kept next to it (results/lm_comparison.jsonl,
 results/ladder.jsonl). `--rows=LOG[,LOG]` re-renders the table from such lines instead of training; a later
 file's run of a row and seed replaces an earlier one, so new rows join a table without rerunning the others:
 
-  python scripts/compare_lm.py --families=hope --steps=100 --print-only -- ... > hope.log   # same overrides
-  python scripts/compare_lm.py --families=<all rows> --rows=results/lm_comparison.jsonl,hope.log
+  python benchmarks/compare_lm.py --families=hope --steps=100 --print-only -- ... > hope.log   # same overrides
+  python benchmarks/compare_lm.py --families=<all rows> --rows=results/lm_comparison.jsonl,hope.log
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from nlearn.train.metrics import throughput  # noqa: E402
 from results_md import write_results  # noqa: E402
@@ -316,7 +316,7 @@ def main():
         print(line, file=sys.stderr, flush=True)
     if args.print_only:
         return
-    cmd = " ".join(["python scripts/compare_lm.py", f"--families={'all' if ladder else ','.join(rows)}",
+    cmd = " ".join(["python benchmarks/compare_lm.py", f"--families={'all' if ladder else ','.join(rows)}",
                     f"--steps={args.steps}", f"--seeds={args.seeds}",
                     *(["--", *args.overrides] if args.overrides else [])])
     note = ("Every row trains on the same batches (for each seed: the same data, steps, batch and sequence "

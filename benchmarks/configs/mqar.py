@@ -1,14 +1,14 @@
-"""MQAR (multi-query associative recall, Zoology) for any family: `configs/mqar.py:<family>`.
+"""MQAR (multi-query associative recall, Zoology) for any family: `benchmarks/configs/mqar.py:<family>`.
 
 One common task and budget for every family: T=256 tokens holding 16 key-value pairs then their
 queries, loss only on the answers, 2 layers, d_model=128, trained for BUDGET["steps"] steps, the
 first CURRICULUM steps on shorter windows with fewer pairs (Zoology-style; evaluation is always on
 the task itself). FAMILY_OVERRIDES and FAMILY_TRAINING hold the few per-family departures, each
 with its reason; `make mqar` prints them above its table.
-`make mqar` (scripts/mqar.py) also stops a run at TIME_LIMIT_S of wall time (the trainer saves a
+`make mqar` (benchmarks/mqar.py) also stops a run at TIME_LIMIT_S of wall time (the trainer saves a
 checkpoint on SIGTERM, which is then scored), so every family trains for at most 10 minutes.
 
-  nlearn-train --config=configs/mqar.py:deltanet --workdir=runs/mqar-deltanet
+  nlearn-train --config=benchmarks/configs/mqar.py:deltanet --workdir=runs/mqar-deltanet
   nlearn-eval --workdir=runs/mqar-deltanet      # reports mqar_accuracy
 
 The vocabulary is 512 (keys from [1, 256), values from [256, 512)) rather than Zoology's 8192:
@@ -43,7 +43,7 @@ BUDGET = dict(batch_size=16, steps=1300, lr=3e-3, schedule="cosine", min_lr_rati
 # task (T=256, 16 pairs) only.
 CURRICULUM = "64x4:300"
 TIME_LIMIT_S = 600  # wall-time cap per family in `make mqar` (start-up and compilation included, scoring not)
-# Per-family model overrides (listed in results/mqar.md by scripts/mqar.py). The Titans
+# Per-family model overrides (listed in results/mqar.md by benchmarks/mqar.py). The Titans
 # families use a linear memory (depth 1): at these shapes a depth-2 memory (64->256->64) costs
 # ~11x more per token on CPU (0.50 s against 0.045 s per layer and step, fwd+bwd), which leaves
 # too few steps within 10 minutes. Its inner learning rate may reach 0.2 (max_lr; the LM default
@@ -149,22 +149,21 @@ def _set(node, key: str, value) -> None:
     for part in path:
         node = node[part]
     if name not in node:
-        raise KeyError(f"configs/mqar.py override {key!r}: no such config key")
+        raise KeyError(f"benchmarks/configs/mqar.py override {key!r}: no such config key")
     node[name] = value
 
 
-TASK_CONFIGS = ("mqar", "niah")  # configs/ files that are tasks over every family, not families
+FAMILY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def family_base(family: str):
     """`configs/<family>.py:tiny`, loaded by path (configs/ is not a package)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{family}.py")
-    if not os.path.exists(path) or family in TASK_CONFIGS:
+    path = os.path.join(FAMILY_DIR, f"{family}.py")
+    if not os.path.exists(path):
         from nlearn.errors import UserError
 
-        families = sorted(f[:-3] for f in os.listdir(os.path.dirname(path))
-                          if f.endswith(".py") and f[:-3] not in TASK_CONFIGS)
-        raise UserError(f"unknown family {family!r} for configs/mqar.py; valid: {', '.join(families)}")
+        families = sorted(f[:-3] for f in os.listdir(FAMILY_DIR) if f.endswith(".py"))
+        raise UserError(f"unknown family {family!r} for benchmarks/configs/mqar.py; valid: {', '.join(families)}")
     spec = importlib.util.spec_from_file_location(f"nlearn_config_{family}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

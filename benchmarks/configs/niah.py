@@ -1,4 +1,4 @@
-"""Needle in a haystack (RULER S-NIAH) for any family: `configs/niah.py:<family>`.
+"""Needle in a haystack (RULER S-NIAH) for any family: `benchmarks/configs/niah.py:<family>`.
 
 Trains on RULER prompts (data.source='niah': filler haystack, one needle at a uniform depth, loss on the
 answer only), first 3000 steps on windows of 256 tokens (prompts of 192-256: the template and at most two
@@ -6,10 +6,10 @@ filler lines, where the task format is learnt), then on windows of 512 (prompts 
 filler tokens to keep the needle over); `nlearn-eval --task=niah` then asks the same question at lengths the
 model never saw:
 
-  nlearn-train --config=configs/niah.py:titans_lmm --workdir=runs/niah-titans_lmm
+  nlearn-train --config=benchmarks/configs/niah.py:titans_lmm --workdir=runs/niah-titans_lmm
   nlearn-eval --workdir=runs/niah-titans_lmm --task=niah --lengths=512,2048,8192,16384
 
-Model as configs/mqar.py (2 layers, d_model=128, Titans memories linear) with a 1024-piece tokenizer on the
+Model as benchmarks/configs/mqar.py (2 layers, d_model=128, Titans memories linear) with a 1024-piece tokenizer on the
 built-in corpus (digits are single pieces). TASK["variants"] takes any of nlearn.data.niah.VARIANTS
 (e.g. "single_1,single_2" for a mixture).
 """
@@ -35,7 +35,7 @@ MODEL = dict(d_model=128, num_layers=2, num_heads=2, mlp_dim=128)
 # over the filler (x3 from 512 to 16K tokens), beyond what the 512-token windows showed it.
 BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="cosine", min_lr_ratio=0.1, warmup_steps=20,
               weight_decay=0.0, cpu_opt_preset="fast_compile")
-# As configs/mqar.py: linear Titans memories (a deep one costs ~11x more per token on CPU) with a stronger
+# As benchmarks/configs/mqar.py: linear Titans memories (a deep one costs ~11x more per token on CPU) with a stronger
 # inner learning rate.
 FAMILY_OVERRIDES: dict[str, dict] = {
     # deltanet: eight heads of 16 and a write gate that can close exactly (hard_sigmoid, no floor) and reads the
@@ -67,7 +67,7 @@ TRAIN_OVERRIDES: dict[str, dict] = {
     "deltanet": dict(steps=BUDGET["steps"] + 2000, decay_steps=BUDGET["steps"], state_passing=0.9,
                      state_passing_from=BUDGET["steps"], write_penalty=0.2, write_penalty_from=3000),
 }
-# Self-referential memories (self_ref_titans, hope) take configs/mqar.py's memory settings: with the LM defaults
+# Self-referential memories (self_ref_titans, hope) take mqar.py's memory settings: with the LM defaults
 # (lr_max 0.5, HOPE.md's targets and steps) a write stores under 1% of its error and recall is not learnt.
 SELF_REFERENTIAL_FAMILIES = ("self_ref_titans", "hope")
 

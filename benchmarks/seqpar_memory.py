@@ -3,8 +3,8 @@ width), compiled for one device and for `--devices` host devices splitting the s
 (`mesh.sequence`), with XLA's per-device memory figures (`compiled.memory_analysis()`) and the
 collectives in the split step's compiled HLO; `--run` then trains that step on the split devices.
 
-    python scripts/seqpar_memory.py                        # 2^20 tokens over 8 devices, figures only
-    python scripts/seqpar_memory.py --run --write          # ... train the step, write results/seqpar.md
+    python benchmarks/seqpar_memory.py                        # 2^20 tokens over 8 devices, figures only
+    python benchmarks/seqpar_memory.py --run --write          # ... train the step, write results/seqpar.md
 
 The forced host devices share this machine's memory, so "one device's budget" is `--budget_gib`
 per device: the step fits when its per-device peak (arguments + outputs + temporaries − donated
@@ -22,6 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def parse_args(argv=None):
@@ -46,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nlearn.bench import markdown_table  # noqa: E402
+from timing import markdown_table  # noqa: E402
 from nlearn.config import validate  # noqa: E402
 from nlearn.train.state import make_setup  # noqa: E402
 from nlearn.train.step import make_train_step  # noqa: E402
@@ -153,7 +154,7 @@ def main(args) -> None:
                 f"the parameters' gradients over the devices (XLA combines them).")
         args_text = " ".join(a for a in sys.argv[1:])
         path = write_results("seqpar.md", "Sequence parallelism: per-device memory and collectives",
-                             f"python scripts/seqpar_memory.py {args_text}".strip(), table + "\n\n" + count_table,
+                             f"python benchmarks/seqpar_memory.py {args_text}".strip(), table + "\n\n" + count_table,
                              note)
         print(f"wrote {path}")
 

@@ -1,7 +1,7 @@
 """`make mqar`: train every family on the common MQAR task and write results/mqar.md.
 
-Each family runs `configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar).
-The budget is the preset's step count or `configs/mqar.py`'s TIME_LIMIT_S of wall time (a family's own
+Each family runs `benchmarks/configs/mqar.py:<family>` in its own process (a fresh workdir under runs/mqar).
+The budget is the preset's step count or `benchmarks/configs/mqar.py`'s TIME_LIMIT_S of wall time (a family's own
 FAMILY_TIME_LIMIT_S where it has one), whichever comes first: at the limit the trainer gets SIGTERM, saves a
 checkpoint and exits. Every run's last checkpoint is then scored by `nlearn-eval` (the trainer skips its own
 final evaluation, so scoring is not charged to the budget). The table reports accuracy on the answers,
@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from nlearn.config import base_config  # noqa: E402
 from nlearn.data.curriculum import parse_curriculum  # noqa: E402
@@ -36,8 +36,9 @@ DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "linear_attention", 
 
 
 def mqar_presets():
-    """The `configs/mqar.py` module (configs/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("nlearn_config_mqar", os.path.join(ROOT, "configs", "mqar.py"))
+    """The `benchmarks/configs/mqar.py` module (not a package: loaded by path)."""
+    spec = importlib.util.spec_from_file_location(
+        "nlearn_config_mqar", os.path.join(ROOT, "benchmarks", "configs", "mqar.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,7 +71,7 @@ def last_json(text: str) -> dict:
 
 def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float) -> dict:
     """Train `family` within the budget and score it; a dict for one table row."""
-    cmd = [sys.executable, "-m", "nlearn.cli.train", f"--config=configs/mqar.py:{family}",
+    cmd = [sys.executable, "-m", "nlearn.cli.train", f"--config=benchmarks/configs/mqar.py:{family}",
            f"--workdir={workdir}", "--config.logging.wandb_mode=disabled", "--config.train.final_eval=False",
            *extra]
     start = time.perf_counter()
@@ -189,7 +190,7 @@ def own_limits(presets, families: list[str]) -> str:
 
 
 def note(presets, families: list[str], time_limit_s: float, load: str) -> str:
-    """The paragraph above the table: task and budget, from configs/mqar.py."""
+    """The paragraph above the table: task and budget, from benchmarks/configs/mqar.py."""
     task, model, budget = presets.TASK, presets.MODEL, presets.BUDGET
     text = (f"Task: T={task['seq_len']}, {task['num_pairs']} "
             f"pairs, vocabulary {task['vocab_size']}; model: {model['num_layers']} layers, "
@@ -219,8 +220,8 @@ def main():
     parser.add_argument("--families", default=",".join(DEFAULT_FAMILIES))
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "mqar"))
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds of wall time per family (default: configs/mqar.py FAMILY_TIME_LIMIT_S, "
-                             "else TIME_LIMIT_S)")
+                        help="seconds of wall time per family (default: benchmarks/configs/mqar.py "
+                             "FAMILY_TIME_LIMIT_S, else TIME_LIMIT_S)")
     parser.add_argument("--print-only", action="store_true", help="print the table, write no results file")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the row of a family whose workdir holds a row.json trained from the "
@@ -263,7 +264,7 @@ def main():
         for family, row in zip(families, body.split("\n")[2:]):
             settings = per_family("settings", presets.FAMILY_OVERRIDES, [family]) + per_family(
                 "training", presets.FAMILY_TRAINING, [family]) + own_limits(presets, [family])
-            stamp = (f"{family}: `python scripts/mqar.py --families={family} --merge` on {machine()}, {date}, "
+            stamp = (f"{family}: `python benchmarks/mqar.py --families={family} --merge` on {machine()}, {date}, "
                      f"load average {load} at the end.{settings}")
             text = merge_rows(text, "\n".join(body.split("\n")[:2] + [row]), stamp)
         with open(path, "w") as f:
@@ -274,7 +275,7 @@ def main():
         text = note(presets, families, limit, load)
         if reused:
             text += f" Rows reused from earlier invocations (`--reuse`): {', '.join(reused)}."
-        command = f"python scripts/mqar.py --families={','.join(families)}"
+        command = f"python benchmarks/mqar.py --families={','.join(families)}"
         print(write_results("mqar.md", "MQAR: multi-query associative recall", command, body, text))
 
 

@@ -1,13 +1,13 @@
 """Benchmark the memory ops: forward and training-step (fwd+bwd) time against their recurrent twins
 and causal softmax attention, with achieved GFLOP/s next to this machine's matmul rate.
 
-    python scripts/bench_ops.py                       # T = 1k, 4k, 16k, every op
-    python scripts/bench_ops.py --quick               # T = 1k, fewer repetitions
-    python scripts/bench_ops.py --ops=delta_rule --lengths=4096,8192 --acceptance
+    python benchmarks/bench_ops.py                       # T = 1k, 4k, 16k, every op
+    python benchmarks/bench_ops.py --quick               # T = 1k, fewer repetitions
+    python benchmarks/bench_ops.py --ops=delta_rule --lengths=4096,8192 --acceptance
 
 Setup: B=1, H=4, D=64 (flags), float32, random unit-norm keys. "fwd+bwd" is `jax.grad` of
 `sum(o * w)` with respect to every float input (q, k, v, gates, learned init). Times are medians
-(see `nlearn.bench.time_fn`).
+(see `timing.time_fn`).
 
 FLOP counts are the useful multiply-adds (x2) of each chunked algorithm's forward, per head and
 token (Dk = Dv = D, C = chunk size, b = TTT mini-batch); fwd+bwd counts 3x forward:
@@ -36,13 +36,13 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nlearn.bench import fmt, markdown_table, time_fn  # noqa: E402
+from timing import fmt, markdown_table, time_fn  # noqa: E402
 from nlearn.memory import (  # noqa: E402
     delta_rule,
     gated_delta_rule,
@@ -382,7 +382,7 @@ def main(argv=None):
         with open(args.out, "w") as f:
             f.write(text + "\n")
     if args.results:
-        command = "python scripts/bench_ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python benchmarks/bench_ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
         print(write_results("bench_ops.md", "Memory ops: chunked against token-by-token and softmax attention",
                             command.strip(), text))
 

@@ -1,7 +1,7 @@
 """Ablations: one family, one variant per run, same data and budget; results/ablations.md (a section per family).
 
-  python scripts/ablate.py --family=titans_lmm --steps=40 -- --config.train.batch_size=8
-  python scripts/ablate.py --family=hope --steps=30 -- --config.train.batch_size=4
+  python benchmarks/ablate.py --family=titans_lmm --steps=40 -- --config.train.batch_size=8
+  python benchmarks/ablate.py --family=hope --steps=30 -- --config.train.batch_size=4
 
 A variant is one or more space-separated `key=value` overrides of the family's tiny preset: a bare key
 is under `model.memory` (`optimizer=sgd`), a dotted one under `model` (`cms.update=none`,
@@ -22,7 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from nlearn.train.metrics import throughput  # noqa: E402
 from results_md import RESULTS_DIR, machine, render  # noqa: E402
@@ -148,7 +148,7 @@ def main():
     body = table(rows, args.family)
     print(body)
     if not args.print_only:
-        cmd = " ".join(["python scripts/ablate.py", f"--family={args.family}", f"--steps={args.steps}",
+        cmd = " ".join(["python benchmarks/ablate.py", f"--family={args.family}", f"--steps={args.steps}",
                         *(["--", *args.overrides] if args.overrides else [])])
         note = f"Built-in corpus. {NOTES[args.family]} Every run sees the same batches. tok/s excludes compilation."
         print(write_section("ablations.md", f"Ablations ({args.family})", cmd, body, f"{note} {args.note}".rstrip()))

@@ -2,8 +2,8 @@
 against the same model with `cms.update=none` on the same batch (the two passes included), and a
 `titans_lmm:tiny` step, timed in one run; then where the ntp step's time goes (pass 1 alone).
 
-    python scripts/cms_cost.py                              # the tiny presets' batch (16 x 256)
-    python scripts/cms_cost.py --batch=4 --seq_len=128 --n=3 --set=hope.mixer=attention
+    python benchmarks/cms_cost.py                              # the tiny presets' batch (16 x 256)
+    python benchmarks/cms_cost.py --batch=4 --seq_len=128 --n=3 --set=hope.mixer=attention
 
 Every case is compiled and warmed up first, then the cases are timed in turns for `--n` rounds (a
 changing load slows them alike); medians, wall and CPU. The bar is ntp <= 3x none.
@@ -21,13 +21,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nlearn.bench import Timing, fmt, markdown_table  # noqa: E402
+from timing import Timing, fmt, markdown_table  # noqa: E402
 from nlearn.config import validate  # noqa: E402
 from nlearn.train.state import make_setup  # noqa: E402
 from nlearn.train.step import make_train_step  # noqa: E402

@@ -1,8 +1,8 @@
 """`make results`: turn the workdirs' `eval/*.json` (what `nlearn-eval --task=...` writes) into results/*.md
 tables and plots.
 
-  python scripts/make_results.py                          # every runs/*/ and runs/*/*/ with eval/*.json
-  python scripts/make_results.py 'runs/niah/*' runs/lm --out=results
+  python benchmarks/make_results.py                          # every runs/*/ and runs/*/*/ with eval/*.json
+  python benchmarks/make_results.py 'runs/niah/*' runs/lm --out=results
 
 For the tasks it finds it writes niah.md (accuracy by length, and a length x depth heatmap per run,
 niah_<label>.png), per_position.md (every run's loss-by-position curve on one plot, per_position.png),
@@ -22,7 +22,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from results_md import RESULTS_DIR, write_results  # noqa: E402
 
@@ -88,10 +88,8 @@ NIAH_MULTIPLES = (1, 4, 16, 32)  # prompt lengths in the table, as multiples of 
 
 
 def all_families() -> list[str]:
-    """Every model family with a preset in configs/ (the task configs excluded)."""
-    task_configs = ("mqar", "niah")
-    return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
-                  if f.endswith(".py") and f[:-3] not in task_configs)
+    """Every model family: one file each in configs/."""
+    return sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
 
 
 def multiple(length: int, seq_len) -> str:
@@ -176,11 +174,11 @@ def flat(node, prefix: str = "") -> dict:
 
 
 def preset_overrides(family: str, config: dict) -> list[str]:
-    """`--config.KEY=VALUE` flags that turn today's `configs/niah.py:<family>` into the run's `config` (keys the
-    run's record lacks are skipped: they did not exist when it ran); None if the preset does not load."""
+    """`--config.KEY=VALUE` flags that turn today's `benchmarks/configs/niah.py:<family>` into the run's `config`
+    (keys the run's record lacks are skipped: they did not exist when it ran); None if the preset does not load."""
     import importlib.util
 
-    path = os.path.join(ROOT, "configs", "niah.py")
+    path = os.path.join(ROOT, "benchmarks", "configs", "niah.py")
     spec = importlib.util.spec_from_file_location("nlearn_config_niah_results", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -215,9 +213,10 @@ def niah_commands(runs: list[dict]) -> str:
         if params.get("samples"):
             flags.append(f"--samples={params['samples']}")
         overrides = preset_overrides(r["family"], record.get("config", {}))
-        train = " ".join([f"--config=configs/niah.py:{r['family']}", f"--workdir={r['workdir']}"]
+        train = " ".join([f"--config=benchmarks/configs/niah.py:{r['family']}", f"--workdir={r['workdir']}"]
                          + (overrides or []))
-        lines.append(f"    nlearn-train {train}" + ("" if overrides is not None else "  # not from configs/niah.py")
+        unmatched = "" if overrides is not None else "  # not from benchmarks/configs/niah.py"
+        lines.append(f"    nlearn-train {train}" + unmatched
                      + f"\n    nlearn-eval {' '.join(flags)}")
         note = os.path.join(r["workdir"], "note.txt")  # what the commands cannot say (a resumed run, ...)
         if os.path.exists(note):
@@ -399,7 +398,7 @@ def main(argv=None) -> list[str]:
         raise SystemExit(f"error: no eval/*.json in {' '.join(patterns)}; run nlearn-eval --task=... on a workdir "
                          "first")
     os.makedirs(args.out, exist_ok=True)
-    command = "make results" if not args.workdirs else "python scripts/make_results.py " + " ".join(args.workdirs)
+    command = "make results" if not args.workdirs else "python benchmarks/make_results.py " + " ".join(args.workdirs)
     written = (write_niah(runs, args.out, command) + write_per_position(runs, args.out, command)
                + write_metric_tables(runs, args.out, command))
     for path in written:

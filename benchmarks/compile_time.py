@@ -2,8 +2,8 @@
 without `model.scan_layers` (tiny widths): unrolled blocks compile one by one, a scan compiles one block
 whatever the depth.
 
-    python scripts/compile_time.py             # transformer, deltanet and hope; writes results/compile_time.md
-    python scripts/compile_time.py --families=titans_lmm,hope:model.hope.mixer=attention --depths=4,24 --no-write
+    python benchmarks/compile_time.py             # transformer, deltanet and hope; writes results/compile_time.md
+    python benchmarks/compile_time.py --families=titans_lmm,hope:model.hope.mixer=attention --depths=4,24 --no-write
 
 Each time is the best of `--repeats` fresh traces (CPU seconds to trace, lower and XLA-compile the jitted
 train step on abstract inputs; nothing runs), next to the compiled program's instruction count; the init column is
@@ -20,12 +20,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from nlearn.bench import fmt, markdown_table  # noqa: E402
+from timing import fmt, markdown_table  # noqa: E402
 from nlearn.config import validate  # noqa: E402
 from nlearn.train.state import _init_state, make_setup  # noqa: E402
 from nlearn.train.step import make_train_step  # noqa: E402
@@ -36,7 +36,7 @@ BAR = 1.5
 
 
 def tiny_config(row: str, layers: int, scan: bool, args):
-    """`row` (`family[:key=value...]`, as scripts/compare_lm.py reads it) at tiny widths and `layers` deep."""
+    """`row` (`family[:key=value...]`, as benchmarks/compare_lm.py reads it) at tiny widths and `layers` deep."""
     config = load_config(*parse_row(row))
     with config.unlocked():
         config.data.vocab_size = 256
@@ -121,7 +121,7 @@ def main(argv=None) -> None:
                 "nothing runs) and the compiled HLO's instruction count; the init columns time the jitted init "
                 f"of the train state (parameters and AdamW moments). {verdict}. Load average {load:.1f} when "
                 "it finished: the ratios, taken in one run, are what to read.")
-        command = " ".join(["python scripts/compile_time.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python benchmarks/compile_time.py", *(sys.argv[1:] if argv is None else argv)])
         print(write_results("compile_time.md", "Train-step compile time against depth (model.scan_layers)",
                             command, table, note))
 
