@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from nlearn.config import base_config  # noqa: E402
-from nlearn.data.curriculum import parse_curriculum  # noqa: E402
+from nlearn.tasks.curriculum import parse_curriculum  # noqa: E402
 from results_md import RESULTS_DIR, machine, write_results  # noqa: E402
 
 DEFAULT_FAMILIES = ("deltanet", "titans_lmm", "titans_mac", "linear_attention", "transformer")

@@ -111,7 +111,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 # (loss 5.43 against 3.70 at step 200 on windows where every answer needs it). Pinned to one core,
 # 256 examples: seed 1 95.9% at 790 (x + y: the ~50% plateau), seed 0 88.6% (x + y: 87.3% at 700).
 # Curricula whose windows force every answer through the memory ("128x4@64", "64x4@16" with
-# 16-token segments, nlearn.data.curriculum) and 16-token segments did worse (README). With the memory
+# 16-token segments, nlearn.tasks.curriculum) and 16-token segments did worse (README). With the memory
 # learning faster, the same WSD over 1300 steps broke out on both seeds and polished further: 98.3% / 98.7%
 # at step 1300 (seeds 0 / 1; 91.6% / 95.9% at 800); titans_lmm's "64x4:300" left seed 1 on the plateau.
 # 1300 steps take ~7 minutes on this repo's current 2-core machine; where they do not fit, the time

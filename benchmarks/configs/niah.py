@@ -10,7 +10,7 @@ model never saw:
   nlearn-eval --workdir=runs/niah-titans_lmm --task=niah --lengths=512,2048,8192,16384
 
 Model as benchmarks/configs/mqar.py (2 layers, d_model=128, Titans memories linear) with a 1024-piece tokenizer on the
-built-in corpus (digits are single pieces). TASK["variants"] takes any of nlearn.data.niah.VARIANTS
+built-in corpus (digits are single pieces). TASK["variants"] takes any of nlearn.tasks.niah.data.VARIANTS
 (e.g. "single_1,single_2" for a mixture).
 """
 

@@ -78,7 +78,7 @@ def write_outputs(workdir: str, task: str, record: dict, samples: list) -> None:
 
 def main(argv):
     from nlearn import config as config_lib
-    from nlearn.data.haystack import text_tokenizer
+    from nlearn.tasks.haystack import text_tokenizer
     from nlearn.errors import UserError
     from nlearn.eval.restore import load_run_config, restore_params
     from nlearn.eval.tasks import TaskContext, get_task

@@ -77,10 +77,10 @@ def data_config() -> ml_collections.ConfigDict:
         "eval_examples": 1000,
         # Train first on shorter, easier windows: "64x4:300" = 300 steps of 64-token windows
         # with 4 pairs (same tokens per step), then the task; "128x4@64:150" puts a stage's
-        # pairs just before position 64 and its queries after; see nlearn/data/curriculum.py.
+        # pairs just before position 64 and its queries after; see nlearn/tasks/curriculum.py.
         "curriculum": "",
     })
-    # source='niah': RULER needle-in-a-haystack prompts (nlearn.data.niah), each window one prompt of a random
+    # source='niah': RULER needle-in-a-haystack prompts (nlearn.tasks.niah), each window one prompt of a random
     # length in [min_len, train.seq_len] with its answer; the loss falls on the answer only. The tokenizer
     # and the essay haystack come from the text source `haystack` (its training documents; evaluation
     # uses its held-out ones).
@@ -88,12 +88,12 @@ def data_config() -> ml_collections.ConfigDict:
         "variants": "single_1",   # comma list of single_1..3, multikey_1..3, multivalue, multiquery, or all
         "min_len": 256,
         "haystack": "builtin",
-        "loss_on": "answer",      # or "question" (also the question line), "all" (every token; nlearn.data.haystack)
-        "curriculum": "",         # "256:3000": the first 3000 steps on 256-token windows (nlearn.data.haystack)
+        "loss_on": "answer",      # or "question" (also the question line), "all" (every token; nlearn.tasks.haystack)
+        "curriculum": "",         # "256:3000": the first 3000 steps on 256-token windows (nlearn.tasks.haystack)
         "train_examples": 1_000_000,
         "eval_examples": 200,
     })
-    # source='babilong': bAbI qa1-qa3 facts (nlearn.data.babilong) scattered through `haystack` text, windows
+    # source='babilong': bAbI qa1-qa3 facts (nlearn.tasks.babilong) scattered through `haystack` text, windows
     # of a random length in [min_len, train.seq_len]; the loss falls on the answer only.
     c.babilong = ml_collections.ConfigDict({
         "tasks": "qa1,qa2,qa3",

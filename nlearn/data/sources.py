@@ -4,12 +4,12 @@ New sources plug in with `SOURCES["name"] = build_fn` (or `register_source`); th
 only sees the Corpus, so text, tokenized and generated data share one code path.
 """
 
+import importlib
 from typing import Callable
 
 import ml_collections
 
 from nlearn.data import corpus as corpus_lib
-from nlearn.data import mqar
 from nlearn.data import tfds_builder
 from nlearn.data.corpus import Corpus
 from nlearn.errors import UserError
@@ -41,27 +41,28 @@ def tfds_source(config: ml_collections.ConfigDict) -> Corpus:
     return tfds_builder.tfds_corpus(d.name, d.dir, d.text_key, d.train_split, d.eval_split)
 
 
-def niah_source(config: ml_collections.ConfigDict) -> Corpus:
-    """RULER needle-in-a-haystack prompts with their answers (nlearn.data.niah)."""
-    from nlearn.data import niah  # imports this module: loaded on first use
+class TaskSource:
+    """A builder named "package.module:function", imported on first call: the synthetic tasks
+    (nlearn.tasks) build on this module, so it names them instead of importing them."""
 
-    return niah.niah_source(config)
+    def __init__(self, entry: str):
+        self.entry = entry
 
+    def __call__(self, config: ml_collections.ConfigDict) -> Corpus:
+        module_name, fn_name = self.entry.split(":")
+        return getattr(importlib.import_module(module_name), fn_name)(config)
 
-def babilong_source(config: ml_collections.ConfigDict) -> Corpus:
-    """bAbI qa1-qa3 facts scattered through corpus text, with their answers (nlearn.data.babilong)."""
-    from nlearn.data import babilong  # imports this module: loaded on first use
-
-    return babilong.babilong_source(config)
+    def __repr__(self) -> str:
+        return f"TaskSource({self.entry!r})"
 
 
 SOURCES: dict[str, SourceBuilder] = {
     "builtin": builtin_source,
     "text": text_source,
     "tfds": tfds_source,
-    "mqar": mqar.mqar_source,
-    "niah": niah_source,
-    "babilong": babilong_source,
+    "mqar": TaskSource("nlearn.tasks.mqar.data:mqar_source"),
+    "niah": TaskSource("nlearn.tasks.niah.data:niah_source"),
+    "babilong": TaskSource("nlearn.tasks.babilong.data:babilong_source"),
 }
 
 

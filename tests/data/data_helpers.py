@@ -6,7 +6,7 @@ import ml_collections
 import numpy as np
 
 from nlearn.data import Corpus, data_config
-from nlearn.data import mqar
+from nlearn.tasks.mqar import data as mqar
 from nlearn.data.pipeline import to_lm_batch
 
 WORDS = ("the of and to in a that is for be it by with as on this not which we our have are "
@@ -75,7 +75,7 @@ def take(it, n):
 
 
 def check_example(tokens, weights, seq_len, num_pairs, vocab, query_start=0):
-    """Every structural property of one window (see nlearn/data/mqar.py)."""
+    """Every structural property of one window (see nlearn/tasks/mqar/data.py)."""
     assert tokens.shape == weights.shape == (seq_len + 1,)
     assert tokens.dtype == np.int32 and weights.dtype == np.float32
     p2, half = 2 * num_pairs, vocab // 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nlearn.data import data_config, get_corpus, make_eval_batches, make_train_iterator, vocab_size
-from nlearn.data import mqar
+from nlearn.tasks.mqar import data as mqar
 from nlearn.errors import UserError
 
 from data_helpers import check_example, take

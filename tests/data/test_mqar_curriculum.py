@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nlearn.data import make_train_iterator
-from nlearn.data.curriculum import Stage, parse_curriculum
+from nlearn.tasks.curriculum import Stage, parse_curriculum
 from nlearn.data.staged import StagedIterator
 from nlearn.errors import UserError
 from nlearn.train.checkpoint import Checkpointer

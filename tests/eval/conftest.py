@@ -31,6 +31,6 @@ def haystack_config(cache_dir, text_corpus):
 
 @pytest.fixture(scope="session")
 def tokenizer(haystack_config):
-    from nlearn.data.haystack import text_tokenizer
+    from nlearn.tasks.haystack import text_tokenizer
 
     return text_tokenizer(haystack_config())

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from nlearn.data import babilong
+from nlearn.tasks.babilong import data as babilong
 
 WORDS = tuple(("It is a truth universally acknowledged. That a single man must be in want of a wife! However "
                "little known the feelings or views of such a man may be? This truth is well fixed. ") .split() * 40)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from nlearn.data import niah
+from nlearn.tasks.niah import data as niah
 from nlearn.errors import UserError
 
 WORDS = tuple("It is a truth universally acknowledged. That a single man must be in want of a wife! "
@@ -94,7 +94,7 @@ def test_char_matches_find_the_lost_digits():
 
 
 def test_char_accuracy_by_length_skips_multi_answer_prompts():
-    from nlearn.eval.niah import char_accuracy
+    from nlearn.tasks.niah.score import char_accuracy
     records = [{"length": 512, "targets": ["1234567"], "output": "1234567."},
                {"length": 512, "targets": ["1234567"], "output": "9234560"},
                {"length": 512, "targets": ["1111111", "2222222"], "output": "0000000"},
@@ -110,7 +110,7 @@ def test_bad_variant_names_the_choices():
 
 
 def test_prompts_answered_from_non_finite_logits_are_counted_and_named(capsys):
-    from nlearn.eval import longctx
+    from nlearn.tasks import longctx
 
     records = [{"length": 512, "finite": True}, {"length": 2048, "finite": False}, {"length": 2048, "finite": True}]
     result = {}
@@ -123,7 +123,7 @@ def test_prompts_answered_from_non_finite_logits_are_counted_and_named(capsys):
 
 
 def test_each_swept_length_reports_one_progress_line(capsys):
-    from nlearn.eval import longctx
+    from nlearn.tasks import longctx
 
     longctx.report_length("niah", "single_1", 8192, [1.0, 0.0, 1.0, 1.0], started=0.0)
     line = capsys.readouterr().err

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nlearn import data
-from nlearn.data import haystack
+from nlearn.tasks import haystack
 from nlearn.errors import UserError
 
 

@@ -3,10 +3,10 @@
 import pytest
 
 from eval_helpers import small_config, split_model
-from nlearn.data.haystack import text_tokenizer
-from nlearn.eval import babilong as babilong_task
+from nlearn.tasks.haystack import text_tokenizer
+from nlearn.tasks.babilong import score as babilong_task
 from nlearn.eval.tasks import TaskContext
-from nlearn.eval.tasks import mqar as mqar_task
+from nlearn.tasks.mqar import score as mqar_task
 from nlearn.train.state import make_setup
 
 

@@ -16,9 +16,9 @@ from nlearn.eval.tasks.context import TaskContext
 
 TASKS: dict[str, str] = {
     "perplexity": "nlearn.eval.tasks.perplexity:run",
-    "mqar": "nlearn.eval.tasks.mqar:run",
-    "niah": "nlearn.eval.niah:run",
-    "babilong": "nlearn.eval.babilong:run",
+    "mqar": "nlearn.tasks.mqar.score:run",
+    "niah": "nlearn.tasks.niah.score:run",
+    "babilong": "nlearn.tasks.babilong.score:run",
     "per_position": "nlearn.eval.per_position:run",
 }
 

@@ -33,7 +33,9 @@ from typing import Mapping, Optional
 import ml_collections
 import numpy as np
 
-from nlearn.data import cache, curriculum
+from nlearn.data import cache
+
+from nlearn.tasks import curriculum
 from nlearn.data.corpus import Corpus
 from nlearn.errors import UserError
 
@@ -106,7 +108,7 @@ def mqar_example(rng: np.random.Generator, *, seq_len: int, num_pairs: int, voca
     query_start > 0: the pairs end and the queries start at that position, filler before the
     pairs; e.g. a segmented model (titans_mac) must then answer every query from the segment
     before, while the gaps stay as short as in Zoology's layout (query_start = 0: the pairs
-    at the start); a curriculum stage, nlearn.data.curriculum."""
+    at the start); a curriculum stage, nlearn.tasks.curriculum."""
     check_args(seq_len, num_pairs, vocab_size, power_a, query_start=query_start)
     half = vocab_size // 2
     keys = rng.choice(half - 1, size=num_pairs, replace=False) + 1

@@ -1,5 +1,5 @@
 """`--task=niah`: RULER needle-in-a-haystack at the requested lengths, needles at evenly spaced depths,
-greedy decoding through the streaming state, RULER's string_match_all score (nlearn.data.niah).
+greedy decoding through the streaming state, RULER's string_match_all score (nlearn.tasks.niah).
 
 `--variant` picks single_1 (default), ..., multiquery, a comma list, or all; `--lengths` the prompt lengths
 in tokens (reply included, as RULER counts them; default train.seq_len); `--samples` prompts per variant
@@ -15,8 +15,10 @@ import time
 
 import numpy as np
 
-from nlearn.data import haystack, niah
-from nlearn.eval import longctx
+from nlearn.tasks import haystack
+
+from nlearn.tasks.niah import data as niah
+from nlearn.tasks import longctx
 from nlearn.eval.streaming import streamer_for
 from nlearn.eval.tasks.context import TaskContext
 

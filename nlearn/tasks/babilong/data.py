@@ -15,7 +15,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from nlearn.data import haystack
+from nlearn.tasks import haystack
 from nlearn.data.corpus import Corpus
 from nlearn.errors import UserError
 

@@ -17,7 +17,7 @@ import uuid
 import ml_collections
 import numpy as np
 
-from nlearn.data import haystack
+from nlearn.tasks import haystack
 from nlearn.data.corpus import Corpus
 
 # RULER scripts/data/synthetic/constants.py ('niah') and niah.py, verbatim.

@@ -19,8 +19,8 @@ import numpy as np
 
 from nlearn.data import cache, sources
 from nlearn.data.corpus import Corpus
-from nlearn.data.curriculum import resized_windows
-from nlearn.data.mqar import example_index
+from nlearn.tasks.curriculum import resized_windows
+from nlearn.tasks.mqar.data import example_index
 from nlearn.data.tokenizer import PAD_ID, Tokenizer
 from nlearn.errors import UserError
 

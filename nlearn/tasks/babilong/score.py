@@ -1,5 +1,5 @@
 """`--task=babilong`: bAbI qa1-qa3 stories scattered through held-out corpus text at the requested lengths,
-greedy replies through the streaming state, BABILong's compare_answers (nlearn.data.babilong).
+greedy replies through the streaming state, BABILong's compare_answers (nlearn.tasks.babilong).
 
 `--variant` picks qa1, qa2, qa3, a comma list, or all (default); `--lengths` the prompt lengths in tokens
 (reply included; default train.seq_len); `--samples` stories per task and length (default 20);
@@ -12,8 +12,10 @@ import time
 
 import numpy as np
 
-from nlearn.data import babilong, haystack
-from nlearn.eval import longctx
+from nlearn.tasks import haystack
+
+from nlearn.tasks.babilong import data as babilong
+from nlearn.tasks import longctx
 from nlearn.eval.streaming import streamer_for
 from nlearn.eval.tasks.context import TaskContext
 

@@ -1,0 +1,1 @@
+"""RULER needle-in-a-haystack: prompts in corpus text (`data`) and recall by length and depth (`score`)."""
