@@ -9,8 +9,7 @@ from nlearn.memory_config import neural_memory_config
 from nlearn.presets import family_config
 
 PRESETS = {
-    # `make train`'s default. SwiGLU width 448 (not 704) gives the tiny Transformer++'s parameter
-    # count (5.34M vs 5.31M): the memory's projections, gates and initial weights add ~0.2M a layer.
+    # `make train`'s default; SwiGLU width 448 matches the tiny Transformer++'s parameters (5.34M vs 5.31M).
     "tiny": dict(d_model=256, num_layers=4, num_heads=4, mlp_dim=448),
     "170m": dict(d_model=768, num_layers=14, num_heads=12, tie_embeddings=False),
     "340m": dict(d_model=1024, num_layers=20, num_heads=16, tie_embeddings=False),
@@ -19,8 +18,7 @@ PRESETS = {
 }
 
 
-# The memory trains ~3x slower than attention on CPU: fewer steps (of the same 16 x 256 tokens) keep
-# `make train` near 10 minutes on 2 cores; benchmarks/compare_lm.py trains the Transformer++ as long.
+# The memory trains ~3x slower than attention on CPU: 75 steps keep `make train` near 10 minutes on 2 cores.
 TINY_TRAIN = dict(steps=75)
 
 

@@ -13,15 +13,9 @@ Ablate with one override: --config.model.segment_len=32, --config.model.num_pers
 from nlearn.memory_config import neural_memory_config
 from nlearn.presets import family_config
 
-# Not given in the Titans paper (chosen here): segment length C and N_p persistent tokens.
-# attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
-# mac_output: how y and the memory's read combine, "gate" (eq. 25) or "add" (nlearn.layers.titans.MACMixer).
-# mac_memory_input: what the memory writes and is read with, "y" (the attention output, eq. 24),
-# "x+y" or "x" (the segment's tokens). mac_positions: RoPE positions in the stream ("absolute") or from each
-# segment's start ("segment": the same attention at any length; nlearn.layers.titans.MACMixer).
+# The paper's eqs. 24-25 (the keys are described in docs/titans.md).
 PAPER_WIRING = dict(attn_conv_size=4, mac_output="gate", mac_memory_input="y", mac_positions="absolute")
-# tiny (and benchmarks/configs/mqar.py, built on it) keeps "add" with "x": it recalls better at small scale (MQAR: the
-# gate with y levelled off near 20%; added, x learnt recall across segments far faster than x + y; docs/titans.md).
+# "add" with "x" recalls better at small scale (MQAR; docs/titans.md).
 SMALL_WIRING = dict(attn_conv_size=4, mac_output="add", mac_memory_input="x", mac_positions="absolute")
 TINY = dict(segment_len=64, num_persistent=4, **SMALL_WIRING)
 PAPER = dict(segment_len=512, num_persistent=16, **PAPER_WIRING)

@@ -11,10 +11,7 @@ Ablate with one override: --config.model.mag_output=gate, --config.model.window=
 from nlearn.memory_config import neural_memory_config
 from nlearn.presets import family_config
 
-# Not given in the Titans paper (chosen here): attention window and N_p persistent tokens.
-# attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
-# mag_output: "gate" (eq. 28: the attention output gated by σ of the memory's normalised read) or
-# "blend" (a learned convex blend of the two); tiny keeps the blend it was tuned with (MAGMixer).
+# window and num_persistent are not given in the paper; tiny keeps the blend it was tuned with (docs/titans.md).
 TINY = dict(window=64, num_persistent=4, attn_conv_size=4, mag_output="blend")
 PAPER = dict(window=512, num_persistent=16, attn_conv_size=4, mag_output="gate")
 

@@ -11,10 +11,7 @@ Ablate with one override: --config.model.mal_attn_input=m, --config.model.window
 from nlearn.memory_config import neural_memory_config
 from nlearn.presets import family_config
 
-# Not given in the Titans paper (chosen here): attention window and N_p persistent tokens.
-# attn_conv_size: short convs after the attention's q, k, v projections (Titans §4.4; 0 disables).
-# mal_attn_input: "m" (eq. 31: attention on the memory's output alone) or "x+m" (attention on
-# x + M(x), plus M(x): two residual sub-layers); tiny keeps "x+m", as tuned (MALMixer).
+# window and num_persistent are not given in the paper; tiny keeps "x+m", as tuned (docs/titans.md).
 TINY = dict(window=64, num_persistent=4, attn_conv_size=4, mal_attn_input="x+m")
 PAPER = dict(window=512, num_persistent=16, attn_conv_size=4, mal_attn_input="m")
 
