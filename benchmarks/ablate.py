@@ -39,8 +39,9 @@ VARIANTS = {
 NOTES = {
     "titans_lmm": "default = optimizer=momentum, objective=l2, minibatch=16, depth=2.",
     "hope": "default = CMS periods (16, 64, 128) with cms.update=ntp, the self-referential mixer with DGD and "
-            "self-targets; fewer levels split the same MLP width. HOPE.md §4 lists the paper's Table 6 (760M, "
-            "perplexity): Hope 12.24, without DGD 13.41, without CMS 13.04, static values 13.90, static q 12.19.",
+            "self-targets; fewer levels split the same MLP width. docs/self_referential.md §4 has the paper's "
+            "Table 6 (760M, perplexity): Hope 12.24, without DGD 13.41, without CMS 13.04, static values 13.90, "
+            "static q 12.19.",
 }
 
 

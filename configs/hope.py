@@ -1,4 +1,4 @@
-"""Hope (Nested Learning §8.3, HOPE.md §2-3): self-referential Titans followed by a Continuum Memory
+"""Hope (Nested Learning §8.3, docs/self_referential.md §2-3): self-referential Titans followed by a Continuum Memory
 System, a chain of MLP levels that keep learning in context every `C_ℓ` tokens.
 
 Presets: tiny, 340m, 760m, 1.3b. Overrides, each one line:

@@ -1,7 +1,7 @@
-"""Self-referential Titans (Nested Learning §8, HOPE.md §1): memories that generate their own keys,
+"""Self-referential Titans (Nested Learning §8, docs/self_referential.md §1): memories that generate their own keys,
 values, learning rates, retention and targets, trained in context by DGD in chunks.
 
-Presets: tiny, 340m, 760m, 1.3b. Every choice of HOPE.md §1 is a one-line override, e.g.
+Presets: tiny, 340m, 760m, 1.3b. Every choice of docs/self_referential.md §1 is a one-line override, e.g.
 --config.model.memory.read=before_write|chunk_start, .dgd=False, .dgd_output=True, .self_targets=False,
 .adaptive_q=True, .chunk_memory=8, .chunk_other=32, .lr_max=0.25, .expansion=2, .activation=silu.
 

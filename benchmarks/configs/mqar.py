@@ -62,7 +62,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
     # The strongest writes the op allows (lr_max 1.0, lr_t ~ 0.9 at first; the LM default starts at 0.05) and
     # little forgetting (retain 0.999: ~78% of a write left 250 tokens on, against 8% with the LM default 0.99),
-    # as titans_lmm's max_lr and titans_mac's decay_init. With HOPE.md's targets and steps, runs became nan at
+    # as titans_lmm's max_lr and titans_mac's decay_init. With the plain targets and steps, runs became nan at
     # step ~160: the fast weights grew ~10x per 16-token chunk, hidden by the output RMSNorm until they
     # overflowed. Fixed targets (targets="initial"), DGD on the output layers and normalised inner steps keep
     # them bounded. read_residual=False: the read M(q) = q + act(q W_in) W_out is mostly the unit query q

@@ -68,7 +68,7 @@ TRAIN_OVERRIDES: dict[str, dict] = {
                      state_passing_from=BUDGET["steps"], write_penalty=0.2, write_penalty_from=3000),
 }
 # Self-referential memories (self_ref_titans, hope) take mqar.py's memory settings: with the LM defaults
-# (lr_max 0.5, HOPE.md's targets and steps) a write stores under 1% of its error and recall is not learnt.
+# (lr_max 0.5, the plain targets and steps) a write stores under 1% of its error and recall is not learnt.
 SELF_REFERENTIAL_FAMILIES = ("self_ref_titans", "hope")
 
 

@@ -1,4 +1,4 @@
-"""The Continuum Memory System (HOPE.md §2): a chain of pre-norm residual SwiGLU levels whose
+"""The Continuum Memory System (docs/self_referential.md §2): a chain of pre-norm residual SwiGLU levels whose
 weights `θ_ℓ = θ_ℓ,0 + Δ_ℓ` keep learning in context, level ℓ every `C_ℓ` tokens.
 
 `θ_ℓ,0` are parameters (the outer optimizer learns them); `Δ_ℓ` is per-sequence state that the

@@ -1,4 +1,4 @@
-"""The self-referential Titans token mixer (Nested Learning §8; HOPE.md §1): the layer around
+"""The self-referential Titans token mixer (Nested Learning §8; docs/self_referential.md §1): the layer around
 `nlearn.memory.self_referential_titans`.
 
 Projections to per-head memory inputs x and queries q -> short causal depthwise convs -> SiLU and
@@ -30,7 +30,7 @@ def logit(p: float) -> float:
 class SelfReferentialMixer(nnx.Module):
     """`__call__(x [B, T, d_model], cache=None) -> (y [B, T, d_model], cache)`.
 
-    The memories start small (HOPE.md "Numerics": larger initial weights let self-generated targets
+    The memories start small (docs/self_referential.md "Numerics": larger initial weights let self-generated targets
     blow the fast weights up within tens of tokens): `W_in ~ N(0, 1/D)`, `W_out ~ N(0, 0.02²)`, so
     every residual memory starts near the identity and lr / retain near `sigmoid(bias)`. The retain
     bias starts at `logit(memory.retain_init)` (near 1: little forgetting) and the lr bias at

@@ -1,6 +1,6 @@
 """Fast-weight delta rule (Schlag et al. 2021) and Gated DeltaNet, recurrent and chunked (WY form).
 
-Recurrence per batch and head (row vectors, seed 000 §3.3):
+Recurrence per batch and head (row vectors, as in docs/architecture.md):
   delta:  `S_t = S_{t-1} + β_t k_tᵀ (v_t − k_t S_{t-1})`,            `o_t = q_t S_t`
   gated:  `S_t = a_t S_{t-1} + β_t k_tᵀ (v_t − a_t k_t S_{t-1})`,    `a_t = exp(g_t)`.
 

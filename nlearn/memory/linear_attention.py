@@ -1,7 +1,7 @@
 """Linear attention (Katharopoulos et al. 2020) as an additive fast-weight memory.
 
 Per batch and head, with row vectors: `S_t = S_{t-1} + k_tᵀ v_t` and `o_t = q_t S_t`, or, when
-normalized, `o_t = q_t S_t / (q_t · c_t)` with `c_t = c_{t-1} + k_t` (seed 000 §2.4).
+normalized, `o_t = q_t S_t / (q_t · c_t)` with `c_t = c_{t-1} + k_t` (docs/architecture.md, the ops contract).
 
 Chunked forms (chunk of C tokens entering with state S): `o = Q S + tril(Q Kᵀ) V`,
 `S' = S + Kᵀ V`. "chunked_scan" runs a `lax.scan` over chunks, rematerialized per chunk (the CPU

@@ -26,7 +26,7 @@ DGD (Nested Learning eq. 88) is written there for column-vector memories, M_t = 
 η_t k_t k_tᵀ) − η_t ∇L with α_t a retention. With our row vectors W = Mᵀ the symmetric preconditioner
 moves to the input side, W_t = (a_t I − η_t kᵀk) W_{t-1} − η_t g_t with a_t = 1 − α_t (our α is a
 forgetting rate, as in Titans); for an MLP every W_i gets the preconditioner of its own input x_i,
-taken at the mini-batch start like the gradient (as in the seed's chunk-wise eq. 90), while it
+taken at the mini-batch start like the gradient (as in Nested Learning's chunk-wise eq. 90), while it
 multiplies the current W_{t-1}. What it reduces to for L = 1, α = 0:
     dot objective (g = −kᵀv):  W_t = W_{t-1} + η_t k_tᵀ(v_t − k_t W_{t-1}) — exactly the delta rule
         with β = η, for every mini-batch size (the gradient does not depend on the state);

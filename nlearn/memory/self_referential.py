@@ -1,4 +1,4 @@
-"""Self-referential Titans (Nested Learning §8, eqs. 83-90; the contract is HOPE.md §1).
+"""Self-referential Titans (Nested Learning §8, eqs. 83-90; the contract is docs/self_referential.md §1).
 
 Per batch row and head, memories □ ∈ {k, v, lr, retain, memory} (plus q with `adaptive_q`) are
 2-layer MLPs with fast weights (W_in [D, Dh], W_out [Dh, D_out]) and meta-learned initial states:
@@ -22,19 +22,19 @@ writes every memory by one DGD step on ½‖M_□(k_t) − v̂_□,t‖² with t
 and reads o_t = M_memory[θ](q_t) with θ the state after token t's write ("after_write"), before it
 ("before_write", eq. 86) or at the chunk start ("chunk_start", eq. 90).
 
-`dgd_output` (choice; HOPE.md applies DGD to the input layer only): the output layer's write gets the
+`dgd_output` (choice; by default DGD acts on the input layer only): the output layer's write gets the
 same preconditioner with its own input h as the key. The gradients of a chunk are all taken at its
 start state, so without it the output layers' steps add up over a chunk (about C·lr·|h|² along a
 repeated h, unbounded); with it the sequential factor (retain − lr|h|²) keeps the accumulated move
 along h near the error, as DGD does for the input layer along k (for lr·|h|² ≤ 1 + retain).
 
-`targets="initial"` (choice; HOPE.md's targets are `"chunk"`): v̂_□,t = M_□[θ_□,0](v_t) from the memory's
+`targets="initial"` (choice; the default targets are `"chunk"`): v̂_□,t = M_□[θ_□,0](v_t) from the memory's
 meta-learned initial weights, a target network that never moves inside the sequence. With the chunk-start
 targets each write also moves its own target, so the error map is not a contraction (as TD learning with a
 learned target) and trained generators drive the fast weights to overflow within tens of tokens; with fixed
 targets every write is a plain regression step toward them.
 
-`inner_step="normalized"` (choice; HOPE.md's steps are `"plain"`): normalised steps, so a write cannot
+`inner_step="normalized"` (choice; the default steps are `"plain"`): normalised steps, so a write cannot
 amplify. The input layers' keys k are unit vectors, so DGD's factor retain − lr|k|² stays in [0, 1], but the
 curvature along k of the loss through the output layer is |k|²·‖W_out‖²·act'², and the output layers' key h is
 not normalised: once the weights grow, either step turns into an amplifier within a chunk. Normalised, the
@@ -580,10 +580,10 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     x, q: [B, T, H, D] (the layer has applied conv, projections and q's L2 norm).
     weights0: `{name: (W_in [H, D, Dh], W_out [H, Dh, D_out])}` for `memory_names(adaptive_q)`
       (`D_out` = D, or 1 for lr and retain; a leading B is allowed); lr_bias, retain_bias: [H].
-    dgd_output: DGD on the output layers too (see the module docstring; off as in HOPE.md).
-    targets: "chunk" (HOPE.md: v̂ from each memory's chunk-start state) or "initial" (v̂ from weights0,
+    dgd_output: DGD on the output layers too (see the module docstring; off as in docs/self_referential.md).
+    targets: "chunk" (docs/self_referential.md: v̂ from each memory's chunk-start state) or "initial" (v̂ from weights0,
       which must then be given, also with initial_state; see the module docstring).
-    inner_step: "plain" (HOPE.md) or "normalized" (see the module docstring).
+    inner_step: "plain" (docs/self_referential.md) or "normalized" (see the module docstring).
     initial_state: a weights dict like the returned state (continues a stream split on a chunk
       boundary of both grids) or a `SelfRefTitansState` (resumes anywhere).
     Returns `(o [B, T, H, D], state)`: the final weights `{name: (W_in, W_out)}` as `[B, H, ...]`,

@@ -3,7 +3,7 @@
 Per batch and head, `f(x; W, b) = x + LN(xW + b)` (LN with `ln_scale`, `ln_bias`, ε = 1e-6) and
 `l_t = ½‖f(k_t) − v_t‖²`. Tokens are grouped in mini-batches of `minibatch`; inside one that
 starts at `(W_s, b_s)`, every gradient is taken at `(W_s, b_s)` and token t reads with the prefix
-of updates: `W_t = W_s − Σ_{j≤t} η_j ∇_W l_j(W_s)`, `o_t = f(q_t; W_t, b_t)` (seed 000 §4.7).
+of updates: `W_t = W_s − Σ_{j≤t} η_j ∇_W l_j(W_s)`, `o_t = f(q_t; W_t, b_t)` (Sun et al. 2024; docs/architecture.md).
 
 Dual form per mini-batch (the paper's; ttt-lm-jax), with `G = ∇_Z l` for `Z = K W_s + b_s`:
   `Z̄ = Q W_s + b_s − (tril(Q Kᵀ + 1) ⊙ η_j) G`,  `o = Q + LN(Z̄)`,

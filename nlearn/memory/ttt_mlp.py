@@ -5,7 +5,7 @@ W2 `[F,D]`, b2 `[D]`), F = 4·D in the layer, LN per head with `ln_scale`, `ln_b
 GELU the tanh approximation (as in ttt-lm-jax's `nn.gelu`); the inner loss is
 `l_t = ½‖f(k_t) − v_t‖²`. Tokens are grouped in mini-batches of `minibatch`; inside one that
 starts at θ_s every gradient is taken at θ_s and token t reads with its own prefix of updates:
-`θ_t = θ_s − Σ_{j≤t} η_j ∇l_j(θ_s)`, `o_t = f(q_t; θ_t)` (seed 000 §4.7).
+`θ_t = θ_s − Σ_{j≤t} η_j ∇l_j(θ_s)`, `o_t = f(q_t; θ_t)` (Sun et al. 2024; docs/architecture.md).
 
 That is the neural memory (`nlearn.memory.neural_memory`) with inner optimizer `sgd`, no forgetting,
 `bias=True`, `residual=True` and `layer_norm=(ln_scale, ln_bias)`: its chunked dual form, token-by-

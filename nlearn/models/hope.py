@@ -1,4 +1,4 @@
-"""Family `hope` (HOPE.md §2-3): a mixer (self-referential Titans, or causal attention for
+"""Family `hope` (docs/self_referential.md §2-3): a mixer (self-referential Titans, or causal attention for
 Hope-Attention) followed by a Continuum Memory System whose levels keep learning in context.
 
     h = x + mixer(Norm(x));   for each CMS level ℓ: h = h + MLP_{θℓ,0 + Δℓ}(Norm_ℓ(h))
@@ -37,7 +37,7 @@ MIXERS = ("self_referential", "attention")
 
 
 def cms_config(**overrides) -> ml_collections.ConfigDict:
-    """The `model.cms` section (HOPE.md §2); one entry per level in `periods`, `lr`, `widths`."""
+    """The `model.cms` section (docs/self_referential.md §2); one entry per level in `periods`, `lr`, `widths`."""
     c = ml_collections.ConfigDict()
     c.periods = (16, 64, 256)  # tokens between updates of each level (each a multiple of the smallest)
     c.lr = (1e-3, 1e-3, 1e-3)  # Δ ← Δ − lr Σ∇ℓ_NTP over the level's last period (summed, not averaged)

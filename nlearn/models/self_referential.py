@@ -1,4 +1,4 @@
-"""Family `self_ref_titans`: the shared backbone with the self-referential Titans mixer (HOPE.md §1).
+"""Family `self_ref_titans`: the shared backbone with the self-referential Titans mixer (docs/self_referential.md §1).
 
 `memory_config()` is the default `model.memory` section (each key a one-line override) and
 `validate()` refuses bad values in one line naming the key.
@@ -27,7 +27,7 @@ TINY_TRAIN = dict(steps=75)  # like titans_lmm's tiny: fewer steps keep `make tr
 
 
 def memory_config(**overrides) -> ml_collections.ConfigDict:
-    """The self-referential memory's options (HOPE.md §1; every *(choice)* there is a key here)."""
+    """The self-referential memory's options (docs/self_referential.md §1; every *choice* there is a key here)."""
     c = ml_collections.ConfigDict()
     c.conv_size = 4  # short causal depthwise conv on the memory inputs x and the queries q; 0 disables
     c.conv_init = "identity"  # or "uniform"; see nlearn.layers.conv.ShortConv
@@ -41,7 +41,7 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
     c.targets = "chunk"  # v̂ from each memory's chunk-start state; "initial": from its initial weights (stable)
-    c.inner_step = "plain"  # HOPE.md's steps; "normalized": bounded input and output steps (stable)
+    c.inner_step = "plain"  # docs/self_referential.md's steps; "normalized": bounded input and output steps (stable)
     c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection
     c.lr_max = 0.5  # lr_t = lr_max * retain_t * sigmoid(M_lr(x_t)); <= 1 keeps the DGD factor >= 0
     c.expansion = 4  # hidden width of every memory MLP / head_dim

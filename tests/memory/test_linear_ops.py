@@ -342,7 +342,7 @@ def test_delta_ragged_chunk_size():
 
 
 # --------------------------------------------------------------------------------------------
-# The seed's worked numbers (seed 000 §§2.4, 3.1-3.4), exactly, through the public ops
+# The worked examples of notebooks/01_memory_lab.ipynb, exactly, through the public ops
 # --------------------------------------------------------------------------------------------
 la_jit = fast_jit(linear_attention, static_argnames=("normalize", "impl"))
 delta_jit = fast_jit(delta_rule, static_argnames=("impl",))

@@ -1,5 +1,5 @@
 """neural_memory: chunked == recurrent == a float64 NumPy per-token reference (values and gradients),
-causality, streaming, decode, the pinned identities and the seed's worked numbers."""
+causality, streaming, decode, the pinned identities and the worked numbers of notebooks/01_memory_lab.ipynb."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """self_referential_titans: chunked == recurrent == an independent float64 per-token reference written
-from HOPE.md §1 (values and gradients), the identities HOPE.md pins, causality, streaming and decode."""
+from docs/self_referential.md §1 (values and gradients), the identities listed there, causality, streaming
+and decode."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def rel_err(a, b):
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent float64 reference: HOPE.md §1 token by token, explicit outer products.
+# Independent float64 reference: docs/self_referential.md §1 token by token, explicit outer products.
 
 def _act(name):
     """(σ, σ'); gelu is the tanh approximation, written out; σ' by forward-mode autodiff of σ."""
@@ -69,7 +70,7 @@ def _unit(z):
 
 
 def _generated(start, xt, bias, f, lr_max=LR_MAX):
-    """k, v, retain, lr of tokens xt [B, H, D] from the generators' states (HOPE.md §1 "Generation")."""
+    """k, v, retain, lr of tokens xt [B, H, D] from the generators' states (docs/self_referential.md §1)."""
     k = _unit(_mem("k", start["k"], xt, bias, f))
     v = _mem("v", start["v"], xt, bias, f)
     retain = jax.nn.sigmoid(_mem("retain", start["retain"], xt, bias, f))
@@ -356,7 +357,7 @@ def test_every_initial_state_gets_a_gradient():
 
 
 # ---------------------------------------------------------------------------------------------
-# Identities of HOPE.md §1
+# Identities of docs/self_referential.md §1
 
 def test_chunk_size_one_is_eqs_86_to_88():
     """Chunk sizes 1: every memory generates, targets and takes its gradient at θ_{t−1}, and
