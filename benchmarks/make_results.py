@@ -101,8 +101,8 @@ def multiple(length: int, seq_len) -> str:
 
 
 def niah_table(runs: list[dict], carried: list[dict] = ()) -> str:
-    """Accuracy per run and variant (rows) at 1x, 4x, 16x and 32x the run's training window (columns; other
-    lengths scored go to the last column), after the rows `carried` over from the previous table (marked), then
+    """Accuracy per run and variant (rows), with its 95% interval where the record has one, at 1x, 4x, 16x and
+    32x the run's training window (columns; other lengths scored go to the last column), after the rows `carried` over from the previous table (marked), then
     a "not run" row for every family without a run."""
     heads = [f"{m}x" for m in NIAH_MULTIPLES]
     out = ["| run | variant | trained at | step | " + " | ".join(heads) + " | other lengths | overall |",
@@ -116,8 +116,10 @@ def niah_table(runs: list[dict], carried: list[dict] = ()) -> str:
             by_mult, other = {}, []
             for n, acc in sorted(v.get("by_length", {}).items(), key=lambda kv: int(kv[0])):
                 m = multiple(int(n), r["seq_len"])
+                ci = v.get("ci95_by_length", {}).get(n)
+                interval = f" [{pct(ci[0])}, {pct(ci[1])}]" if ci else ""
                 if m in heads:
-                    by_mult[m] = f"{pct(acc)} ({n})"
+                    by_mult[m] = f"{pct(acc)}{interval} ({n})"
                 else:
                     other.append(f"{n}: {pct(acc)}")
             cells = [by_mult.get(h, "") for h in heads] + [", ".join(other)]

@@ -57,10 +57,22 @@ def flag_non_finite(result: dict, records: list[dict], task: str) -> None:
               "tokens (the model's state overflowed); those prompts score 0", file=sys.stderr)
 
 
+def wilson_interval(mean: float, count: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a success rate `mean` over `count` prompts (a prompt's score is 0 or 1
+    for one-answer variants; for several answers it treats the mean score as a rate, an approximation)."""
+    if count <= 0:
+        return 0.0, 1.0
+    centre = (mean + z * z / (2 * count)) / (1 + z * z / count)
+    half = z * np.sqrt(mean * (1 - mean) / count + z * z / (4 * count * count)) / (1 + z * z / count)
+    return float(max(centre - half, 0.0)), float(min(centre + half, 1.0))
+
+
 def report_length(task: str, variant: str, length: int, scores: list[float], started: float) -> None:
     """One stderr line per (variant, length) swept, so a long sweep shows where it is and how it goes."""
+    low, high = wilson_interval(float(np.mean(scores)), len(scores))
     print(f"{task} {variant} at {length} tokens: {len(scores)} prompts, accuracy {100 * np.mean(scores):.0f}% "
-          f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+          f"(95% interval {100 * low:.0f}-{100 * high:.0f}%; {time.perf_counter() - started:.0f} s)",
+          file=sys.stderr, flush=True)
 
 
 def shorten(text: str, keep: int = PROMPT_CHARS_KEPT) -> str:
@@ -89,6 +101,9 @@ def table(scores: Iterable[tuple[str, int, float, float]]) -> dict:
         for r in rows:
             by_ld[str(r[1])].append(r)
         return {"accuracy": mean(rows), "by_length": grouped(rows, lambda r: str(r[1])),
+                "prompts_by_length": {k: len(v) for k, v in sorted(by_ld.items(), key=lambda kv: int(kv[0]))},
+                "ci95_by_length": {k: wilson_interval(mean(v), len(v))
+                                   for k, v in sorted(by_ld.items(), key=lambda kv: int(kv[0]))},
                 "by_depth": grouped(rows, lambda r: str(round(100 * r[2]))),
                 "by_length_depth": {k: grouped(v, lambda r: str(round(100 * r[2])))
                                     for k, v in sorted(by_ld.items(), key=lambda kv: int(kv[0]))}}

@@ -1,5 +1,7 @@
 """RULER S-NIAH: templates byte for byte, needles at the asked depths, lengths within budget, the scorer."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -34,7 +36,7 @@ def test_single_1_prompt_byte_for_byte(tokenizer):
     assert len(value) == 7 and value.isdigit() and value[0] != "0"
     n = ex["haystack_size"]
     filler = [niah.REPEAT_FILLER] * n
-    filler.insert(round(n / 2), f"One of the special magic numbers for {key} is: {value}.")
+    filler.insert(min(n // 2, n - 1), f"One of the special magic numbers for {key} is: {value}.")
     expected = ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz "
                 "you about the number afterwards.\n" + "\n".join(filler) + "\nWhat is the special magic number for "
                 f"{key} mentioned in the provided text? The special magic number for {key} mentioned in the "
@@ -65,12 +67,52 @@ def test_multiquery_joins_keys_as_ruler():
     assert niah.query_text(["a-b", "c-d", "e-f", "g-h"]) == "a-b, c-d, e-f, and g-h"
 
 
-@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
-def test_needle_sits_at_its_depth(depth, tokenizer):
-    ex = niah.niah_example(np.random.default_rng(1), niah.VARIANTS["single_1"], tokenizer, 4096, depth)
+@pytest.mark.parametrize("evaluation", [False, True])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 0.999, 1.0])
+def test_needle_sits_at_its_depth_never_after_the_last_unit(depth, evaluation, tokenizer):
+    ex = niah.niah_example(np.random.default_rng(1), niah.VARIANTS["single_1"], tokenizer, 4096, depth,
+                           evaluation=evaluation)
     lines = ex["prompt"].split("\n")[1:-1]
     at = next(i for i, line in enumerate(lines) if line.startswith("One of the special magic"))
-    assert at == round(depth * (len(lines) - 1))
+    units = len(lines) - 1
+    assert at == min(int(depth * units), units - 1)
+    assert lines[-1] == niah.REPEAT_FILLER  # RULER's placement: haystack always follows the needle
+
+
+@pytest.mark.parametrize("units", [1, 2, 7, 40])
+def test_no_needle_is_placed_after_the_last_haystack_unit(units):
+    for depth in np.linspace(0.0, 1.0, 41):
+        for count in (1, 2, 4):
+            out = niah.insert_at_depths(["unit"] * units, [f"needle{i}" for i in range(count)],
+                                        niah.needle_depths(float(depth), count))
+            assert out[-1] == "unit" and len(out) == units + count
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_evaluation_prompts_reserve_rulers_128_reply_tokens(length, tokenizer):
+    for seed in range(3):
+        ex = niah.niah_example(np.random.default_rng(seed), niah.VARIANTS["single_1"], tokenizer, length, 0.5,
+                               evaluation=True)
+        assert length - niah.REPLY_TOKENS - 120 < len(ex["prompt_ids"]) <= length - niah.REPLY_TOKENS  # a unit or two
+    with pytest.raises(UserError, match="128 reply tokens"):
+        niah.niah_example(np.random.default_rng(0), niah.VARIANTS["single_1"], tokenizer, 100, 0.5, evaluation=True)
+
+
+def test_no_evaluation_key_occurs_among_the_training_keys(tokenizer):
+    adjectives, nouns = niah.heldout_words()
+    assert len(adjectives) > 500 and len(nouns) > 5000  # wonderwords' lists, as RULER's
+    assert not set(adjectives) & set(niah.ADJECTIVES) and not set(nouns) & set(niah.NOUNS)
+    training = {f"{a}-{n}" for a in niah.ADJECTIVES for n in niah.NOUNS}
+    rng = np.random.default_rng(0)
+    drawn = [niah.random_value(rng, "words", heldout=True) for _ in range(5000)]
+    assert not set(drawn) & training and len(set(drawn)) > 4900
+    for seed in range(5):  # the evaluation's own prompts, multi-key included
+        ex = niah.niah_example(np.random.default_rng(seed), niah.VARIANTS["multikey_2"], tokenizer, 1024, 0.5,
+                               evaluation=True)
+        keys = set(re.findall(r"for ([a-z]+-[a-z]+) is:", ex["prompt"]))
+        assert keys and not keys & training
+        train_ex = niah.niah_example(np.random.default_rng(seed), niah.VARIANTS["single_1"], tokenizer, 1024, 0.5)
+        assert set(train_ex["queries"]) <= training
 
 
 def test_string_match_all_and_its_near_misses():
@@ -128,3 +170,15 @@ def test_each_swept_length_reports_one_progress_line(capsys):
     longctx.report_length("niah", "single_1", 8192, [1.0, 0.0, 1.0, 1.0], started=0.0)
     line = capsys.readouterr().err
     assert line.startswith("niah single_1 at 8192 tokens: 4 prompts, accuracy 75% (") and line.count("\n") == 1
+
+
+def test_tables_give_each_length_its_prompt_count_and_95_percent_interval():
+    from nlearn.tasks import longctx
+
+    assert longctx.wilson_interval(1.0, 100) == pytest.approx((0.963, 1.0), abs=1e-3)
+    assert longctx.wilson_interval(0.5, 100) == pytest.approx((0.404, 0.596), abs=1e-3)
+    scores = [("single_1", 512, 0.0, 1.0)] * 90 + [("single_1", 512, 0.5, 0.0)] * 10 + [("single_1", 2048, 0.0, 0.0)]
+    table = longctx.table(scores)
+    assert table["prompts_by_length"] == {"512": 100, "2048": 1}
+    low, high = table["ci95_by_length"]["512"]
+    assert low < 0.9 < high and high - low < 0.13

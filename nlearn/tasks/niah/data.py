@@ -2,23 +2,27 @@
 training source `data.source='niah'`.
 
 Templates, needle and filler are RULER's (tests pin them); the variants are its niah_single_1-3,
-multikey_1-3, multivalue and multiquery. Departures, each for a reason: keys are adjective-noun pairs
-from the short lists below (RULER draws from wonderwords' lists, not shipped here); needles go at the
-depths the caller asks (evenly spaced in the evaluation, for per-depth results; RULER samples them),
-the others of a multi-needle prompt evenly spread after the first; the essay haystack is held-out
-built-in corpus text (RULER: Paul Graham essays) cut into sentences at '.', '!' and '?' (RULER: nltk).
+multikey_1-3, multivalue and multiquery. As RULER, a prompt's length counts `REPLY_TOKENS` reserved for the
+reply, needles go before one of the haystack's units (never after the last), and evaluation keys are
+adjective-noun pairs from wonderwords' lists; training keys come from the short lists below, whose words the
+evaluation leaves out, so no evaluation key was seen in training. Departures, each for a reason: needles go at
+the depths the caller asks (evenly spaced in the evaluation, for per-depth results; RULER samples them), the
+others of a multi-needle prompt evenly spread after the first; the essay haystack is held-out built-in corpus
+text (RULER: Paul Graham essays) cut into sentences at '.', '!' and '?' (RULER: nltk).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 
 import ml_collections
 import numpy as np
 
-from nlearn.tasks import haystack
 from nlearn.data.corpus import Corpus
+from nlearn.errors import UserError
+from nlearn.tasks import haystack
 
 # RULER scripts/data/synthetic/constants.py ('niah') and niah.py, verbatim.
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
@@ -69,12 +73,30 @@ NOUNS = (
 )
 
 
-def random_value(rng: np.random.Generator, kind: str) -> str:
-    """RULER's needle keys and values: 7-digit numbers, adjective-noun words, or uuid4s."""
+REPLY_TOKENS = 128  # RULER's tokens_to_generate: an evaluation prompt's length counts them for the reply
+
+
+@functools.cache
+def heldout_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(adjectives, nouns) of wonderwords' lists, as RULER draws its keys, less every word of the training lists
+    and any word with a character outside a-z (no training key can be drawn from them)."""
+    from wonderwords import random_word
+
+    def keep(name, taken):
+        words = random_word._get_words_from_text_file(name)
+        return tuple(sorted({w for w in words if w.isascii() and w.isalpha() and w.islower()} - set(taken)))
+
+    return keep("adjectivelist.txt", ADJECTIVES), keep("nounlist.txt", NOUNS)
+
+
+def random_value(rng: np.random.Generator, kind: str, heldout: bool = False) -> str:
+    """RULER's needle keys and values: 7-digit numbers, adjective-noun words (from the held-out lists when
+    `heldout`), or uuid4s."""
     if kind == "numbers":
         return str(int(rng.integers(10**6, 10**7)))
     if kind == "words":
-        return f"{ADJECTIVES[rng.integers(len(ADJECTIVES))]}-{NOUNS[rng.integers(len(NOUNS))]}"
+        adjectives, nouns = heldout_words() if heldout else (ADJECTIVES, NOUNS)
+        return f"{adjectives[rng.integers(len(adjectives))]}-{nouns[rng.integers(len(nouns))]}"
     if kind == "uuids":
         return str(uuid.UUID(int=int.from_bytes(rng.bytes(16), "big"), version=4))
     raise ValueError(f"unknown needle type {kind!r}")
@@ -90,11 +112,12 @@ class Needles:
     answers: list[str]
 
 
-def draw_needles(rng: np.random.Generator, v: Variant) -> Needles:
-    """Distinct keys (and values), `num_needle_q` of the keys queried."""
+def draw_needles(rng: np.random.Generator, v: Variant, heldout: bool = False) -> Needles:
+    """Distinct keys (and values), `num_needle_q` of the keys queried; keys from the held-out lists when
+    `heldout`."""
     keys, values, seen = [], [], set()
     while len(keys) < max(v.num_needle_k, v.num_needle_q):
-        key = random_value(rng, v.type_needle_k)
+        key = random_value(rng, v.type_needle_k, heldout)
         if key not in seen:
             seen.add(key)
             keys.append(key)
@@ -137,8 +160,9 @@ def needle_depths(depth: float, count: int) -> list[float]:
 
 
 def insert_at_depths(units: list[str], sentences: list[str], depths: list[float]) -> list[str]:
-    """`units` with each sentence inserted before unit round(depth * len(units)) (stable for ties)."""
-    slots = [int(round(d * len(units))) for d in depths]
+    """`units` with each sentence inserted before unit min(floor(depth * len(units)), len(units) - 1), so a
+    needle always has haystack after it (RULER never puts one after the last unit); stable for ties."""
+    slots = [min(int(d * len(units)), max(len(units) - 1, 0)) for d in depths]
     out, order = list(units), sorted(range(len(sentences)), key=lambda i: (slots[i], i), reverse=True)
     for i in order:
         out.insert(slots[i], sentences[i])
@@ -172,24 +196,31 @@ def answer_text(answers: list[str]) -> str:
     return ", ".join(answers) + "."
 
 
-def distractor_needles(rng: np.random.Generator, v: Variant, count: int, needles: Needles) -> list[tuple[str, str]]:
+def distractor_needles(rng: np.random.Generator, v: Variant, count: int, needles: Needles,
+                       heldout: bool = False) -> list[tuple[str, str]]:
     """`count` (key, value) pairs for the 'needle' haystack, none reusing a real key."""
     taken, out = set(needles.keys), []
     while len(out) < count:
-        key = random_value(rng, v.type_needle_k)
+        key = random_value(rng, v.type_needle_k, heldout)
         if key not in taken:
             out.append((key, random_value(rng, v.type_needle_v)))
     return out
 
 
-def niah_example(rng: np.random.Generator, v: Variant, tokenizer, length: int, depth: float, words=()) -> dict:
-    """One prompt whose tokens with its answer and EOS number at most `length` (RULER counts the reply in the
-    length too): {"prompt", "prompt_ids", "answers", "queries", "answer_ids", "depth", "haystack_size"}."""
-    needles = draw_needles(rng, v)
+def niah_example(rng: np.random.Generator, v: Variant, tokenizer, length: int, depth: float, words=(), *,
+                 evaluation: bool = False) -> dict:
+    """One prompt and its answer: {"prompt", "prompt_ids", "answers", "queries", "answer_ids", "depth",
+    "haystack_size"}. For `evaluation`, RULER's: the prompt takes `length - REPLY_TOKENS` tokens and its keys
+    come from the held-out lists; for training, the prompt, its answer and EOS fill a window of `length`."""
+    needles = draw_needles(rng, v, heldout=evaluation)
     answer_ids = tokenizer.encode(answer_text(needles.answers))
-    budget = length - len(answer_ids) - 1
+    budget = length - REPLY_TOKENS if evaluation else length - len(answer_ids) - 1
+    if budget <= 0:
+        raise UserError(f"a niah prompt of {length} tokens leaves no room for a haystack (evaluation lengths count "
+                        f"{REPLY_TOKENS} reply tokens, as RULER's): ask for a longer length")
     offset = int(rng.integers(len(words))) if v.haystack == "essay" else 0
-    distractors = distractor_needles(rng, v, budget // 8 + 1, needles) if v.haystack == "needle" else ()
+    distractors = (distractor_needles(rng, v, budget // 8 + 1, needles, heldout=evaluation)
+                   if v.haystack == "needle" else ())
 
     def build(n):
         return render_prompt(v, needles, make_context(v, needles, n, depth, words=words, offset=offset,

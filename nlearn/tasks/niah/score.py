@@ -2,8 +2,10 @@
 greedy decoding through the streaming state, RULER's string_match_all score (nlearn.tasks.niah).
 
 `--variant` picks single_1 (default), ..., multiquery, a comma list, or all; `--lengths` the prompt lengths
-in tokens (reply included, as RULER counts them; default train.seq_len); `--samples` prompts per variant
-and length (default 20); `--option=depths=N` the depth grid (default 5: 0, 25, 50, 75, 100%);
+in tokens (RULER's 128 reply tokens included, as it counts them; default train.seq_len); `--samples` prompts
+per variant and length (default 100; the JSON gives each length's 95% interval); `--option=depths=N` the
+depth grid (default 5: 0, 25, 50, 75, 100% of the haystack's units, 100% meaning before the last one);
+evaluation keys come from held-out words, so none was seen in training;
 `--option=max_new_tokens=N` the reply budget (default: the answer's tokens + 4). Besides RULER's score, the
 JSON's `by_length_char` gives, for one-answer prompts, the fraction of replies right at each character of the
 value (which digits are lost with length).
@@ -22,7 +24,7 @@ from nlearn.tasks import longctx
 from nlearn.eval.streaming import streamer_for
 from nlearn.eval.tasks.context import TaskContext
 
-DEFAULT_SAMPLES = 20
+DEFAULT_SAMPLES = 100  # prompts per variant and length: a 95% interval of about +-10 points at worst
 EVAL_STREAM = 2  # seed stream apart from the training (0) and validation (1) windows
 
 
@@ -44,7 +46,7 @@ def run(ctx: TaskContext) -> tuple[dict, list[dict]]:
             for j in range(samples):
                 rng = np.random.default_rng([niah.SEED_TAG, EVAL_STREAM, ctx.seed, vi, length, j])
                 depth = depths[j % len(depths)]
-                ex = niah.niah_example(rng, variant, tokenizer, length, depth, words)
+                ex = niah.niah_example(rng, variant, tokenizer, length, depth, words, evaluation=True)
                 reply, finite = longctx.answer(streamer, tokenizer, ex["prompt_ids"],
                                                max_new or len(ex["answer_ids"]) + 4)
                 score = niah.string_match_all(reply, ex["answers"]) if finite else 0.0
