@@ -102,7 +102,8 @@ def multiple(length: int, seq_len) -> str:
 
 def niah_table(runs: list[dict], carried: list[dict] = ()) -> str:
     """Accuracy per run and variant (rows), with its 95% interval where the record has one, at 1x, 4x, 16x and
-    32x the run's training window (columns; other lengths scored go to the last column), after the rows `carried` over from the previous table (marked), then
+    32x the run's training window (columns; other lengths scored go to the last column), after the rows
+    `carried` over from the previous table (marked), then
     a "not run" row for every family without a run."""
     heads = [f"{m}x" for m in NIAH_MULTIPLES]
     out = ["| run | variant | trained at | step | " + " | ".join(heads) + " | other lengths | overall |",
