@@ -331,7 +331,7 @@ def per_position_table(runs: list[dict]) -> str:
 
 
 def write_per_position(runs: list[dict], out_dir: str, command: str) -> list[str]:
-    from nlearn.eval.per_position import plot_loss_by_position
+    from nlearn.eval.tasks.per_position import plot_loss_by_position
 
     runs = [r for r in runs if "per_position" in r["evals"]]
     if not runs:

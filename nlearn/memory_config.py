@@ -34,14 +34,9 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c.activation = "gelu"  # see nlearn.memory.neural_memory.ACTIVATIONS
     c.momentum = True  # learned momentum gate mu (optimizers with a momentum buffer)
     c.decay = True  # learned forgetting gate alpha
-    # alpha at initialisation (the gate's bias is logit(decay_init)): sigmoid(-4) ~ 0.018 forgets
-    # all but e^-3.6 ~ 3% of a write within 200 tokens until the gate learns otherwise.
+    # alpha at initialisation (the gate's bias is logit(decay_init)): keeps ~3% of a write 200 tokens on.
     c.decay_init = DECAY_INIT
-    # eta = max_lr * sigmoid(x W_eta). The mini-batch sums b gradients, so the step on the inner loss is
-    # ~ max_lr * b * |h|^2; 0.1 with b = 16 diverged (inf) with momentum near 1, 0.01 stays stable at
-    # depth 2, and each extra hidden layer compounds the growth (depth 3 at 0.01 overflowed within a
-    # sequence after 20 outer steps). Unless set, max_lr follows the depth: 0.04 / depth^2
-    # (depth 1: 0.04, 2: 0.01, 3: 0.0044); an explicit value always wins.
+    # eta = max_lr * sigmoid(x W_eta); the inner step grows like max_lr * b * |h|^2 and with depth: 0.04 / depth^2.
     depth = c.get_ref("depth").to_float()
     c.max_lr = 0.04 / (depth * depth)
     c.update(overrides)

@@ -1,8 +1,10 @@
-"""The worked examples of docs/extending.md run as written: each `## ` section's python blocks, in order,
-in a fresh namespace, from the repository root."""
+"""The worked examples of docs/extending.md run as written (each `## ` section's python blocks, in order,
+in a fresh namespace, from the repository root); every relative link of README.md, docs/ and results/
+resolves inside the repository; README.md stays a short guide."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -53,3 +55,42 @@ def test_example_runs(title, cache_dir, monkeypatch, registries):
     namespace = {"__name__": f"docs_example_{title.replace(' ', '_')}"}
     exec(compile(SECTIONS[title], f"docs/extending.md: {title}", "exec"), namespace)
     assert any(set(registry) - set(entries) for registry, entries in registries), "the example registered nothing"
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of a markdown text's links and images; code (fenced, indented by 4, in backticks), absolute
+    URLs and in-page anchors left out."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    text = re.sub(r"^    .*$", "", text, flags=re.M)
+    text = re.sub(r"`[^`]+`", "", text)
+    return [t for t in LINK.findall(text) if not re.match(r"[a-zA-Z][a-zA-Z+.-]*:", t) and not t.startswith("#")]
+
+
+def test_links_are_found_outside_code_only():
+    text = "[a](docs/x.md) ![p](p.png) [w](https://x.org) [s](#top) `[c](no.md)`\n```\n[b](no.md)\n```\n    M[x](y)\n"
+    assert relative_links(text) == ["docs/x.md", "p.png"]
+
+
+def test_every_relative_link_resolves_inside_the_repository():
+    pages = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
+             *sorted(glob.glob(os.path.join(ROOT, "results", "*.md")))]
+    assert len(pages) > 10
+    broken = []
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            for target in relative_links(f.read()):
+                path = os.path.realpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+                if not path.startswith(os.path.realpath(ROOT) + os.sep) or not os.path.exists(path):
+                    broken.append(f"{os.path.relpath(page, ROOT)}: {target}")
+    assert not broken, broken
+
+
+def test_readme_is_a_short_guide_that_starts_with_the_two_commands():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 250, len(lines)
+    block = lines[lines.index("```bash") + 1:]
+    assert block[0].startswith("make train") and block[1].startswith("make test"), block[:2]

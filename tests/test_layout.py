@@ -200,3 +200,12 @@ def test_configs_holds_family_files_with_one_line_comments(name):
         assert module.get_config(preset).model.family == name[:-3], (name, preset)
     long = [f"line {start}: {count} lines" for start, count in comment_blocks(path) if count > 1]
     assert not long, f"configs/{name}: comment blocks over one line: {long}"
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks", "configs"))
+                                        if f.endswith(".py")))
+def test_task_presets_comment_each_value_in_one_line(name):
+    """benchmarks/configs/ (the MQAR and NIAH presets) as quiet as configs/: the measurements are in results/."""
+    path = os.path.join(ROOT, "benchmarks", "configs", name)
+    long = [f"line {start}: {count} lines" for start, count in comment_blocks(path) if count > 1]
+    assert not long, f"benchmarks/configs/{name}: comment blocks over one line: {long}"

@@ -17,58 +17,28 @@ built-in corpus (digits are single pieces). TASK["variants"] takes any of nlearn
 import importlib.util
 import os
 
-# RULER's single_1 prompt is ~158 tokens before any filler with this tokenizer (the template and needle are
-# split into short pieces), so seq_len cannot go below ~170; data.niah.curriculum scales min_len with the
-# stage's windows (384 * 256 / 512 = 192).
+# RULER's single_1 prompt is ~158 tokens with this tokenizer, so windows start at 256 (prompts of 192-256).
 TASK = dict(seq_len=512, min_len=384, curriculum="256:3000", variants="single_1", vocab_size=1024,
             eval_examples=64, loss_on="answer")
 MODEL = dict(d_model=128, num_layers=2, num_heads=2, mlp_dim=128)
-# 4500 steps of 4096 tokens: ~24 minutes on 2 idle cores for titans_lmm (13k tokens/s), over the 10 the
-# issue asks for. Fewer do not learn the task: the 7 digits sit on a loss plateau (answer loss ~1.6 nats a
-# token) for ~650 steps, and at 1200 / 1800 / 3000 steps at 256 tokens titans_lmm scored 15 / 65 / 100% at 1x.
-# What the 512-token stage buys (titans_lmm, S-NIAH-1 at 1x / 4x / 16x / 32x of 512; results/niah.md): none
-# 100 / 25 / 0 / 0% (at 256, 1024, 4096, 8192), 1500 steps 100 / 45 / 0 / 0%, with 800 more on
-# variants="single_1,single_2" (the essay haystack) 100 / 75 / 5 / 0%. Past ~4x the needle is lost; a
-# fresh needle (depth 100%) is mostly lost at 16x too, so the memory reads differently after thousands of
-# filler tokens, not only forgets (results/history.md, 2026-12-02). deltanet with this preset before its beta floor (no
-# forgetting gate): 100 / 100 / 30 / 0% (95% at 8x), the best row so far; its state's norm keeps growing
-# over the filler (x3 from 512 to 16K tokens), beyond what the 512-token windows showed it.
+# Fewer than ~3000 steps at 256 do not learn the task (results/history.md): ~24 minutes on 2 idle cores.
 BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="cosine", min_lr_ratio=0.1, warmup_steps=20,
               weight_decay=0.0, cpu_opt_preset="fast_compile")
-# As benchmarks/configs/mqar.py: linear Titans memories (a deep one costs ~11x more per token on CPU) with a stronger
-# inner learning rate.
 FAMILY_OVERRIDES: dict[str, dict] = {
-    # deltanet: eight heads of 16 and a write gate that can close exactly (hard_sigmoid, no floor) and reads the
-    # last few tokens (gate_conv), which the write cost below teaches to close on the filler. Without the cost the
-    # same model wrote most filler tokens (beta ~0.5-1 in five of eight heads a layer) and lost the needle past
-    # ~4x: 10-45% at 16x over six seeds with a floor beta >= 0.5 instead, 20-25% with the hard gate alone
-    # (results/history.md, 2026-12-03 to 2026-12-06).
+    # Eight heads of 16 whose write gates can close exactly and read the last four tokens (results/history.md).
     "deltanet": {"memory.beta_gate": "hard_sigmoid", "memory.beta_min": 0.0, "memory.gate_conv": True, "num_heads": 8},
-    "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
+    "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},  # as mqar.py: a linear memory, strong writes
     "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
-    # minibatch 1: a mini-batch takes all its gradients at its start state, so b keys that point alike add up
-    # to one step of ~2·b·lr (x 1/(1 - mu) with momentum), far past the stable 2 at lr 0.2 and b = 16. With
-    # b = 16, titans_mag's second memory grew ~9x per mini-batch (|theta| 1.5e30 at token 512, hidden by the
-    # output RMSNorm) and overflowed at token ~670: nan logits past 1x (results/history.md, 2026-12-02).
-    # One token at a time the step is 2·lr <= 0.4, stable for any momentum; it costs ~20% more per step.
+    # One token per write: 16-token mini-batches at lr 0.2 made titans_mag's memory overflow (results/history.md).
     "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
     "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
 }
-# deltanet's schedule: from step 3000 (mid-cosine, the task learnt) an L1 cost on its write strengths
-# (train.write_penalty, 0.2 x each layer's mean), so the memory learns to skip what the answer never needs, the
-# filler: a skipped token (beta exactly 0) leaves the state as it was, however long the haystack. The gates read a
-# short conv of the last four tokens (memory.gate_conv): a gate that sees the token alone gives every `.` one beta,
-# and runs that stored the needle at the `.` after its digits had to keep writing every filler `.` too. After the
-# 4500 steps (whose cosine ends there), 2000 more at the floor lr with state passing (train.state_passing): a row
-# continues, with probability 0.9, from the state its previous (unrelated) prompt ended in.
-# S-NIAH-1 at 16x: 100 / 95% (seeds 1 / 2; every filler gate closed). The cost from step 4500 at 0.05 without the
-# conv: 100 / 20% (seeds 0 / 1); with it: 55 / 25% (seeds 1 / 2) (results/history.md, 2026-12-06).
+# deltanet: a cost on its writes from step 3000 closes its gates on the filler; then 2000 steps of state passing.
 TRAIN_OVERRIDES: dict[str, dict] = {
     "deltanet": dict(steps=BUDGET["steps"] + 2000, decay_steps=BUDGET["steps"], state_passing=0.9,
                      state_passing_from=BUDGET["steps"], write_penalty=0.2, write_penalty_from=3000),
 }
-# Self-referential memories (self_ref_titans, hope) take mqar.py's memory settings: with the LM defaults
-# (lr_max 0.5, the plain targets and steps) a write stores under 1% of its error and recall is not learnt.
+# Self-referential memories take mqar.py's memory settings: with the LM defaults recall is not learnt.
 SELF_REFERENTIAL_FAMILIES = ("self_ref_titans", "hope")
 
 

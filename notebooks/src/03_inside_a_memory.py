@@ -29,7 +29,7 @@ from nlearn.eval.restore import restore_params
 from nlearn.train import train_and_evaluate
 
 ROOT = os.path.dirname(os.getcwd()) if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
-spec = importlib.util.spec_from_file_location("config_mqar", os.path.join(ROOT, "configs", "mqar.py"))
+spec = importlib.util.spec_from_file_location("config_mqar", os.path.join(ROOT, "benchmarks", "configs", "mqar.py"))
 mqar = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mqar)
 

@@ -1,4 +1,4 @@
-"""Loss by position (`nlearn.eval.per_position`) and the memory layers' inner-loss probe.
+"""Loss by position (`nlearn.eval.tasks.per_position`) and the memory layers' inner-loss probe.
 
 The probe (`inner_losses`) is checked against direct token-by-token computations: the neural memory op's
 own `return_inner_loss`, and the delta rule's and TTT-Linear's one-token steps, from a mid-stream state.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nlearn.eval import per_position as pp
+from nlearn.eval.tasks import per_position as pp
 from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer
 from nlearn.memory import ttt
 from nlearn.memory.delta import gated_delta_rule_step

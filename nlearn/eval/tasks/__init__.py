@@ -3,7 +3,9 @@
 A task is `run(ctx: TaskContext) -> (result: dict, samples: list[dict])`: `result` holds its headline
 metric ("accuracy", or "loss" and "perplexity") and, for tasks swept over lengths, "by_length";
 `samples` are the per-example records (inputs, targets, outputs) written to eval/<task>.samples.jsonl.
-New tasks plug in with `TASKS["name"] = "package.module:function"` (or `register_task`).
+New tasks plug in with `TASKS["name"] = "package.module:function"` (or `register_task`). The language-model
+tasks live here (`nlearn/eval/tasks/<name>.py`), the synthetic tasks' scorers beside their data
+(`nlearn/tasks/<name>/score.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ TASKS: dict[str, str] = {
     "mqar": "nlearn.tasks.mqar.score:run",
     "niah": "nlearn.tasks.niah.score:run",
     "babilong": "nlearn.tasks.babilong.score:run",
-    "per_position": "nlearn.eval.per_position:run",
+    "per_position": "nlearn.eval.tasks.per_position:run",
 }
 
 TaskFn = Callable[[TaskContext], tuple[dict, list[dict]]]
