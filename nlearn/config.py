@@ -85,7 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.write_penalty = 0.0
     c.train.write_penalty_from = 0  # the first step that charges it (a model learns its task first)
     c.train.peak_gflops = 0.0  # for MFU; 0: measure this machine's f32 matmul rate at start
-    # Benchmark options (nlearn.train.benchmark). XLA:CPU optimisation preset of the train/eval steps
+    # Run options. XLA:CPU optimisation preset (nlearn.train.cpu_preset) of the train/eval steps
     # ("default", "fast_compile", "fast_runtime"); ignored off the CPU.
     c.train.cpu_opt_preset = "default"
     # Wall-time budget in seconds (0: none). With the "wsd" schedule the run times its steps early on
@@ -192,7 +192,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
     from nlearn.train import distributed, write_penalty
-    from nlearn.train.benchmark import CPU_OPT_PRESETS
+    from nlearn.train.cpu_preset import CPU_OPT_PRESETS
     from nlearn.train.optim import SCHEDULES
 
     positive = [

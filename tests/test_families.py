@@ -68,7 +68,7 @@ def test_train_step_returns_the_types_it_takes(family):
     with config.unlocked():
         config.train.update(batch_size=2, seq_len=16)
     setup = make_setup(config)
-    step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
+    step = make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=jnp.float32)
     batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
     before = jax.eval_shape(setup.init_state)
     after, _ = jax.eval_shape(step, before, batch)

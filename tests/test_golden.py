@@ -66,7 +66,7 @@ def one_step_values(family: str) -> dict:
     """The golden quantities of `family`: one jitted program (init, first logits, one train step)."""
     config = golden_config(family)
     setup = make_setup(config)
-    step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=setup.dtype)
+    step = make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=setup.dtype)
     batch = _batch(config.model.vocab_size)
     # A fixed ±1 pattern over the logits: a change anywhere in them moves the projection.
     signs = np.where(np.random.default_rng(1).random((BATCH, SEQ_LEN, config.model.vocab_size)) < 0.5, -1.0, 1.0)

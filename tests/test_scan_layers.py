@@ -134,7 +134,7 @@ def test_scanned_train_step_and_init_do_not_grow_with_depth():
     def lowered(layers, scan):
         config = tiny("transformer", num_layers=layers, scan_layers=scan)
         setup = make_setup(config)
-        step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32)
+        step = make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=jnp.float32)
         batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
         return jax.jit(step).lower(setup.abstract_state, batch), _lowered_init(config)
 
