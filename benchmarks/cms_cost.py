@@ -50,7 +50,7 @@ def config_of(family: str, overrides: dict, batch: int, seq_len: int):
 
 def step_and_state(config):
     setup = make_setup(config)
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=setup.dtype))
+    step = jax.jit(make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=setup.dtype))
     return setup, step, setup.init_state()
 
 

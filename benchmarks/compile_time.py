@@ -66,7 +66,7 @@ def compile_seconds(config, repeats: int) -> tuple[float, int, float]:
              for k in ("inputs", "targets")}
 
     def step():
-        fn = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=setup.dtype)
+        fn = make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=setup.dtype)
         return jax.jit(fn).lower(setup.abstract_state, batch)
 
     def init():  # what Setup.init_state compiles

@@ -88,7 +88,7 @@ def batch_of(tokens: int, vocab: int) -> dict:
 def compile_single(config):
     """The step as one device runs it (no mesh): abstract state and batch, compiled."""
     setup = make_setup(config)
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=setup.dtype),
+    step = jax.jit(make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=setup.dtype),
                    donate_argnums=0)
     plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), setup.abstract_state)
     batch = {k: jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32) for k in ("inputs", "targets")}
@@ -98,7 +98,7 @@ def compile_single(config):
 def compile_split(config):
     """The trainer's step on the `sequence` mesh, traced under it (so the layers split the sequence)."""
     setup = make_setup(config)
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=setup.dtype),
+    step = jax.jit(make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=setup.dtype),
                    in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)
     batch = {k: jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32, sharding=setup.batch_sharding)

@@ -85,7 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.write_penalty = 0.0
     c.train.write_penalty_from = 0  # the first step that charges it (a model learns its task first)
     c.train.peak_gflops = 0.0  # for MFU; 0: measure this machine's f32 matmul rate at start
-    # Benchmark options (nlearn.train.benchmark). XLA:CPU optimisation preset of the train/eval steps
+    # Run options. XLA:CPU optimisation preset (nlearn.train.cpu_preset) of the train/eval steps
     # ("default", "fast_compile", "fast_runtime"); ignored off the CPU.
     c.train.cpu_opt_preset = "default"
     # Wall-time budget in seconds (0: none). With the "wsd" schedule the run times its steps early on
@@ -124,7 +124,8 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 # Keys added after runs were saved, each with the value such a run trained with (not always today's
-# default) and, where only some configs have the key, which (config -> bool).
+# default) and, where only some configs have the key, which (config -> bool). A family's own keys are in its
+# record (`nlearn.models.Family.migrations`).
 MIGRATIONS = (
     ("train.schedule", "cosine", None),
     ("train.decay_fraction", 0.2, None),
@@ -142,36 +143,21 @@ MIGRATIONS = (
     ("data.mqar.random_filler", False, None),
     ("data.mqar.curriculum", "", None),
     ("model.memory.conv_init", "identity", None),
-    ("model.memory.qk_activation", "silu", lambda c: c.model.family in ("deltanet", "gated_deltanet")),
-    ("model.memory.beta_min", 0.0, lambda c: c.model.family in ("deltanet", "gated_deltanet")),
-    ("model.memory.beta_gate", "sigmoid", lambda c: c.model.family in ("deltanet", "gated_deltanet")),
-    ("model.memory.gate_conv", False, lambda c: c.model.family in ("deltanet", "gated_deltanet")),
     ("model.memory.decay_init", DECAY_INIT, lambda c: "decay" in c.model.memory),  # the neural memories
-    ("model.attn_conv_size", 0, lambda c: c.model.family in ("titans_mac", "titans_mag", "titans_mal")),
-    ("model.mac_output", "gate", lambda c: c.model.family == "titans_mac"),
-    ("model.mac_memory_input", "x+y", lambda c: c.model.family == "titans_mac"),
-    ("model.mac_positions", "absolute", lambda c: c.model.family == "titans_mac"),
-    ("model.mag_output", "blend", lambda c: c.model.family == "titans_mag"),
-    ("model.mal_attn_input", "x+m", lambda c: c.model.family == "titans_mal"),
     ("mesh.sequence", 1, None),
-    ("model.memory.dgd_output", False, lambda c: c.model.family in ("self_ref_titans", "hope")),
-    ("model.memory.targets", "chunk", lambda c: c.model.family in ("self_ref_titans", "hope")),
-    ("model.memory.inner_step", "plain", lambda c: c.model.family in ("self_ref_titans", "hope")),
-    ("model.memory.read_residual", True, lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("data.niah.loss_on", "answer", None),  # skipped where a config has no data.niah section
     ("data.niah.curriculum", "", None),
     ("data.babilong.curriculum", "", None),
 )
 
-# Families whose mixers split a sequence over `mesh.sequence` devices: attention (all-gathered K/V) and
-# the affine memories (nlearn.memory.sequence_parallel). The nonlinear memories have no state summary.
-SEQUENCE_PARALLEL_FAMILIES = ("transformer", "linear_attention", "deltanet", "gated_deltanet")
-
 
 def migrate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Add the keys a config saved by an older nlearn lacks (MIGRATIONS), in place, so that it loads,
     resumes and evaluates as the run it describes; returns it. Today's `configs/` have every key."""
-    for key, value, applies in MIGRATIONS:
+    from nlearn import models  # the families' own keys
+
+    family = models.FAMILIES.get(config.model.get("family"))
+    for key, value, applies in MIGRATIONS + tuple((k, v, None) for k, v in (family.migrations if family else ())):
         *path, name = key.split(".")
         node = config
         for part in path:
@@ -192,7 +178,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     from nlearn import models  # registry of families
     from nlearn.data import SOURCES
     from nlearn.train import distributed, write_penalty
-    from nlearn.train.benchmark import CPU_OPT_PRESETS
+    from nlearn.train.cpu_preset import CPU_OPT_PRESETS
     from nlearn.train.optim import SCHEDULES
 
     positive = [
@@ -279,10 +265,12 @@ def _validate_sequence(config) -> None:
         _fail("mesh.sequence", sequence, "must be a positive size (-1 is for mesh.data/fsdp/tensor)")
     if sequence == 1:
         return
-    if config.model.family not in SEQUENCE_PARALLEL_FAMILIES:
+    from nlearn import models
+
+    if not models.FAMILIES[config.model.family].sequence_parallel:  # attention (all-gathered K/V), the affine
+        able = sorted(name for name, family in models.FAMILIES.items() if family.sequence_parallel)  # memories
         _fail("mesh.sequence", sequence, f"family {config.model.family} cannot split a sequence across devices "
-              f"(its memory is nonlinear: no state summary to pass on); families that can: "
-              f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
+              f"(its memory is nonlinear: no state summary to pass on); families that can: {', '.join(able)}")
     if config.train.seq_len % sequence:
         _fail("mesh.sequence", sequence, f"must divide train.seq_len={config.train.seq_len}")
 

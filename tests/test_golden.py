@@ -17,7 +17,7 @@ norm carry most of the sensitivity.
 
 Regenerate (deliberately: after a change of a default, init or wiring that is meant; review the
 diff of the JSON):
-    NLEARN_UPDATE_GOLDEN=1 pytest -m 'slow or not slow' tests/test_golden.py
+    NLEARN_UPDATE_GOLDEN=1 pytest tests/test_golden.py
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import pytest
 from nlearn import models
 from nlearn.train.state import make_setup
 from nlearn.train.step import logits_of, make_train_step
-from run_helpers import family_params
 
 GOLDEN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
 UPDATE = os.environ.get("NLEARN_UPDATE_GOLDEN") == "1"
@@ -66,7 +65,7 @@ def one_step_values(family: str) -> dict:
     """The golden quantities of `family`: one jitted program (init, first logits, one train step)."""
     config = golden_config(family)
     setup = make_setup(config)
-    step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=setup.dtype)
+    step = make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=setup.dtype)
     batch = _batch(config.model.vocab_size)
     # A fixed ±1 pattern over the logits: a change anywhere in them moves the projection.
     signs = np.where(np.random.default_rng(1).random((BATCH, SEQ_LEN, config.model.vocab_size)) < 0.5, -1.0, 1.0)
@@ -90,7 +89,7 @@ def _load() -> dict:
         return json.load(f)["families"]
 
 
-@pytest.mark.parametrize("family", family_params(FAMILIES))  # the slow families under make test-all
+@pytest.mark.parametrize("family", FAMILIES)  # every family in the default suite
 def test_one_step_matches_golden(family):
     values = one_step_values(family)
     if UPDATE:

@@ -1,12 +1,17 @@
 """Family `hope`: the two-pass CMS step against a plain chunk-by-chunk reference, the outer gradient
 with Δ a constant, causality, decoding that learns, config validation and preset sizes."""
 
+import contextlib
+import json
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 import hope as hope_config
 import transformer as transformer_config
@@ -188,3 +193,60 @@ def test_bad_mixer_is_refused():
 def test_tiny_matches_the_tiny_transformer():
     n, ref = models.count_params(hope_config.get_config("tiny")), models.count_params(transformer_config.get_config())
     assert abs(n - ref) / ref <= 0.05, (n, ref)
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(path):
+    """JAX's on-disk compilation cache in `path` while the block runs: a second run of the same program
+    loads its executable instead of compiling it again."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    for key, value in zip(keys, (str(path), 0, 0)):
+        jax.config.update(key, value)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            jax.config.update(key, value)
+        compilation_cache.reset_cache()
+
+
+def test_the_preset_hope_trains_resumes_and_decodes(tmp_path, cache_dir, text_corpus, capsys):
+    """Hope as its preset builds it (its self-referential mixer, CMS levels learning by next-token loss), at toy
+    sizes: the trainer's steps, a run resumed from its step-1 checkpoint logs the uninterrupted run's step-2
+    loss, and decoding in two calls gives the full forward's logits."""
+    from nlearn.train import train_and_evaluate
+
+    config = hope_config.get_config("tiny")
+    assert config.model.hope.mixer == "self_referential" and config.model.cms["update"] == "ntp"
+    with config.unlocked():
+        config.model.update(dict(d_model=16, num_layers=1, num_heads=1))
+        config.model.cms.update(dict(periods=(2, 4), lr=(0.5, 0.3)))
+        config.model.memory.update(chunk_memory=2, chunk_other=4)
+        config.data.update(source="text", path=text_corpus, cache_dir=cache_dir, vocab_size=300, eval_tokens=512)
+        config.train.update(steps=2, batch_size=2, seq_len=8, warmup_steps=1, log_every=1, peak_gflops=100.0,
+                            final_eval=False)
+        config.checkpoint.update(every_steps=1, async_save=False)
+        config.logging.update(wandb_mode="disabled", plot=False, progress=False)
+    validate(config)
+    run = tmp_path / "run"
+    with persistent_compilation_cache(tmp_path / "xla"):
+        train_and_evaluate(config, str(run))
+        straight = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        shutil.rmtree(run / "checkpoints" / "2")
+        capsys.readouterr()
+        assert train_and_evaluate(config, str(run))["step"] == 2
+    assert "resuming from checkpoint at step 1" in capsys.readouterr().out
+    resumed = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in straight] == [r["step"] for r in resumed] == [1, 2]
+    assert resumed[1]["loss"] == straight[1]["loss"] and np.isfinite(straight[1]["loss"])
+
+    model = models.build(config)
+    tokens = jax.random.randint(jax.random.key(5), (2, 12), 0, 300)  # three periods of the slow level
+    decode = jitted(model, "decode")
+    first, cache = decode(tokens[:, :6], model.init_cache(2, 12))
+    second, _ = decode(tokens[:, 6:], cache)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate([first, second], 1)), np.asarray(jitted(model)(tokens)),
+                               atol=1e-5)

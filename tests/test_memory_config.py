@@ -53,7 +53,7 @@ def test_delta_rule_qk_activation():
 
     from nlearn import config as config_lib
     from nlearn.errors import UserError
-    from nlearn.layers.memory_mixer import DeltaNetMixer
+    from nlearn.layers.mixers import DeltaNetMixer
 
     def mean_key_overlap(model_config):  # mean cosine between distinct tokens' keys, per head
         x = 10 * jax.random.normal(jax.random.key(0), (1, 64, model_config.d_model))  # O(1) pre-activations
@@ -82,7 +82,7 @@ def test_delta_rule_relu_keys_keep_an_untouched_coordinate_exactly():
     from flax import nnx
 
     from nlearn import config as config_lib
-    from nlearn.layers.memory_mixer import DeltaNetMixer, l2_normalize
+    from nlearn.layers.mixers import DeltaNetMixer, l2_normalize
     from nlearn.memory.delta import delta_rule
 
     config = load_family_config("deltanet")
@@ -120,7 +120,7 @@ def test_delta_rule_beta_min_bounds_the_write_strength():
 
     from nlearn import config as config_lib
     from nlearn.errors import UserError
-    from nlearn.layers.memory_mixer import DeltaNetMixer
+    from nlearn.layers.mixers import DeltaNetMixer
 
     config = load_family_config("deltanet")
     x = 30 * jax.random.normal(jax.random.key(0), (1, 64, config.model.d_model))  # saturates the sigmoid
@@ -147,7 +147,7 @@ def test_delta_rule_hard_gate_can_skip_a_token_exactly():
 
     from nlearn import config as config_lib
     from nlearn.errors import UserError
-    from nlearn.layers.memory_mixer import DeltaNetMixer, l2_normalize
+    from nlearn.layers.mixers import DeltaNetMixer, l2_normalize
     from nlearn.memory.delta import delta_rule
 
     config = load_family_config("deltanet")
@@ -182,7 +182,7 @@ def test_delta_rule_gate_conv_gives_the_gates_the_last_tokens(family):
     from flax import nnx
 
     from nlearn import config as config_lib
-    from nlearn.layers.memory_mixer import DeltaNetMixer
+    from nlearn.layers.mixers import DeltaNetMixer
 
     config = load_family_config(family)
     config.model.update(d_model=32, num_heads=2)
@@ -229,7 +229,7 @@ def test_decay_init_sets_the_forgetting_gates_start():
 
     from nlearn import config as config_lib
     from nlearn.errors import UserError
-    from nlearn.layers.memory_mixer import NeuralMemoryMixer
+    from nlearn.layers.mixers import NeuralMemoryMixer
 
     config = load_family_config("titans_lmm")
     model = config.model
@@ -261,7 +261,7 @@ def test_layer_builds_the_gates_of_its_optimizer(momentum):
     import jax.numpy as jnp
     from flax import nnx
 
-    from nlearn.layers.memory_mixer import NeuralMemoryMixer
+    from nlearn.layers.mixers import NeuralMemoryMixer
     from nlearn.memory.inner_optimizers import INNER_OPTIMIZERS
 
     assert set(GATES_BY_OPTIMIZER) == set(INNER_OPTIMIZERS)

@@ -55,6 +55,7 @@ def test_cached_decoding_matches_full_forward(window):
 
 
 def test_bfloat16_compute_stays_close():
+    """bf16 compute (float32 master weights) gives the float32 logits up to bf16 rounding, relative to their scale."""
     from nlearn.train.step import cast_params
 
     config = small_config()
@@ -64,7 +65,9 @@ def test_bfloat16_compute_stays_close():
     ref = jitted(model)(tokens)
     low = jitted(nnx.merge(graphdef, cast_params(nnx.to_pure_dict(params), jnp.bfloat16)))(tokens)
     assert low.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(low), np.asarray(ref), atol=0.05)
+    # Within a few bf16 roundings (2^-8 relative each) of the logits' own scale: 0.4% RMS here.
+    err, scale = np.asarray(low) - np.asarray(ref), np.sqrt(np.mean(np.square(np.asarray(ref))))
+    assert np.sqrt(np.mean(np.square(err))) <= 0.02 * scale and np.abs(err).max() <= 0.05 * scale
 
 
 def test_untied_head_and_remat_give_same_logits_and_gradients_as_plain():

@@ -48,8 +48,7 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
     keep = np.asarray(sp.keep_rows(state["rng"], state["step"], 4, 0.5))
     assert 0 < keep.sum() < 4  # this seed's first draw mixes both kinds of row
 
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32,
-                                   state_passing=(0.5, 0, sp.batch_axes(config))))
+    step = jax.jit(make_train_step(config, setup.graphdef, setup.optimizer))
     batch = {"inputs": window[:, :-1], "targets": window[:, 1:]}
     new_state, metrics = step(state, batch)
 
@@ -101,8 +100,7 @@ def test_a_shared_position_passes_states_only_where_a_fresh_row_starts(family):
     state = setup.init_state()
     axes = sp.batch_axes(config)
     assert sp.SHARED in jax.tree.leaves(axes)
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32,
-                                   state_passing=(0.5, 0, axes)))
+    step = jax.jit(make_train_step(config, setup.graphdef, setup.optimizer))
     model = nnx.merge(setup.graphdef, state["params"])
     keep = np.asarray(sp.keep_rows(state["rng"], state["step"], 4, 0.5))
     assert 0 < keep.sum() < 4

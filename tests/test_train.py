@@ -31,7 +31,7 @@ def test_one_step_golden_loss():
     to initialisation, the model, the loss or the optimizer)."""
     setup = make_setup(golden_config())
     state = setup.init_state()
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=1, dtype=jnp.float32))
+    step = jax.jit(make_train_step(setup.config, setup.graphdef, setup.optimizer, dtype=jnp.float32))
     tokens = (np.arange(2 * 9, dtype=np.int32).reshape(2, 9) * 7) % 97
     batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
     state, first = step(state, batch)
@@ -44,17 +44,38 @@ GOLDEN = (4.539079666137695, 4.001621246337891)  # jax 0.10.2, flax 0.12.8, CPU
 
 
 def test_grad_accumulation_matches_full_batch():
-    setup = make_setup(golden_config())
-    tokens = (np.arange(2 * 9, dtype=np.int32).reshape(2, 9) * 5) % 97
-    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-    out = []
+    """Micro-batches give the whole batch's weighted-mean loss and its gradient (compared before any optimizer
+    normalises it), also when the halves carry different numbers of weighted tokens."""
+    import optax
+
+    from nlearn.train.step import token_losses
+
+    config = golden_config()
+    setup = make_setup(config)
+    params = setup.init_state()["params"]
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 97, (4, 9)).astype(np.int32)
+    weights = (rng.random((4, 8)) < np.array([[0.9], [0.9], [0.3], [0.3]])).astype(np.float32)
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+             "weights": jnp.asarray(weights)}
+
+    def mean_loss(p):
+        losses = token_losses(setup.graphdef, p, batch["inputs"], batch["targets"], jnp.float32)
+        return jnp.sum(losses * weights) / weights.sum()
+
+    want_loss, want = jax.value_and_grad(mean_loss)(params)
+    # An optax transformation that keeps the gradient it is given as its state (and moves nothing).
+    keep = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                        lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
     for accum in (1, 2):
-        step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=accum, dtype=jnp.float32))
-        state, metrics = step(setup.init_state(), batch)
-        out.append((float(metrics["loss"]), state["params"]))
-    np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)  # Adam step ~ lr * sign(g)
+        with config.unlocked():
+            config.train.grad_accum = accum
+        state = {"params": params, "opt_state": keep.init(params), "step": jnp.zeros((), jnp.int32),
+                 "rng": jax.random.key_data(jax.random.key(0))}
+        state, metrics = jax.jit(make_train_step(config, setup.graphdef, keep))(state, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-6)
+        for got, ref in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-4, atol=1e-7)
 
 
 def _train_cmd(workdir, cache_dir, text_corpus, config="configs/transformer.py:tiny", **extra):
@@ -289,7 +310,7 @@ def test_configs_saved_before_the_schedule_keys_migrate_to_cosine():
 def test_cpu_opt_preset_reaches_the_compiler_and_a_bad_one_is_refused():
     from nlearn.config import validate
     from nlearn.errors import UserError
-    from nlearn.train.benchmark import compiler_options
+    from nlearn.train.cpu_preset import compiler_options
 
     config = golden_config()
     assert compiler_options(config.train) is None  # XLA's defaults
@@ -329,7 +350,7 @@ def test_wsd_with_a_traced_total_is_the_optax_schedule():
 
 
 def test_budget_planning_fits_the_steps_and_keeps_the_schedule_so_far():
-    from nlearn.train.benchmark import fit_total, shortest_total
+    from nlearn.train.time_budget import fit_total, shortest_total
     from nlearn.train.optim import wsd_stable_end
 
     # 100 s left at 1 s per step (98% of it usable): 98 more steps, capped by the configured total.

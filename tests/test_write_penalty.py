@@ -10,7 +10,6 @@ from flax import nnx
 from run_helpers import load_family_config
 from nlearn import config as config_lib
 from nlearn.errors import UserError
-from nlearn.train import state_passing as sp
 from nlearn.train.state import make_setup
 from nlearn.train.step import make_train_step, token_losses_and_write_cost
 
@@ -56,14 +55,10 @@ def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
     np.testing.assert_allclose(float(cost), sum(np.mean(np.maximum(zl + 4.0, 0.0) / 6.0) for zl in z), rtol=1e-5)
 
 
-def run_steps(config, n, passing=False, seed=0):
+def run_steps(config, n, seed=0):
     setup = make_setup(config)
     state = setup.init_state()
-    t = config.train
-    penalty = (t.write_penalty, t.write_penalty_from) if t.write_penalty else None
-    step = jax.jit(make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=jnp.float32,
-                                   state_passing=((0.5, 0, sp.batch_axes(config)) if passing else None),
-                                   write_penalty=penalty))
+    step = jax.jit(make_train_step(config, setup.graphdef, setup.optimizer))
     history = []
     for i in range(n):
         window = tokens((4, 12), seed + i)
@@ -75,9 +70,8 @@ def run_steps(config, n, passing=False, seed=0):
 @pytest.mark.parametrize("passing", [False, True], ids=["plain", "state_passing"])
 def test_the_cost_is_charged_from_its_first_step_and_the_loss_metric_stays_the_cross_entropy(passing):
     extra = dict(state_passing=0.5) if passing else {}
-    _, plain, plain_history = run_steps(small_config(**extra), 3, passing)
-    _, charged, charged_history = run_steps(small_config(write_penalty=5.0, write_penalty_from=2, **extra), 3,
-                                            passing)
+    _, plain, plain_history = run_steps(small_config(**extra), 3)
+    _, charged, charged_history = run_steps(small_config(write_penalty=5.0, write_penalty_from=2, **extra), 3)
     leaves = lambda state: jax.tree.leaves(state["params"])  # noqa: E731
     for step in (0, 1):  # before write_penalty_from: the same steps, to the bit
         assert charged_history[step]["loss"] == plain_history[step]["loss"]

@@ -18,7 +18,7 @@ from flax import nnx
 
 from nlearn.layers.conv import ShortConv
 from nlearn.layers.core import Dense, RMSNorm, param
-from nlearn.layers.memory_mixer import l2_normalize
+from nlearn.layers.mixers import l2_normalize
 from nlearn.memory.self_referential import (SCALAR_MEMORIES, init_state, memory_names, self_referential_titans,
                                             self_referential_titans_step)
 

@@ -19,7 +19,7 @@ from jax import lax
 
 from nlearn.layers.attention import Attention, masked_attention, with_prefix_mask
 from nlearn.layers.core import Dense, RMSNorm, head_dim
-from nlearn.layers.memory_mixer import NeuralMemoryMixer, l2_normalize
+from nlearn.layers.mixers import NeuralMemoryMixer, l2_normalize
 from nlearn.memory.neural_memory import NeuralMemoryState, mlp_apply
 
 

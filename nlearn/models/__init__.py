@@ -16,17 +16,28 @@ from nlearn.models.lm import LanguageModel, MixerFactory
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+    """Everything a model family is and can do, declared once where it registers."""
+
     make_mixer: MixerFactory
     validate: Optional[Callable] = None  # (config) -> None, raises UserError
     model: Optional[Callable] = None  # (model_cfg, make_mixer, rngs=) -> model; default LanguageModel
+    # (model_cfg, seq_len, backend) -> training FLOPs of one layer's mixer over a sequence (nlearn.models.flops);
+    # None: MFU counts the dense layers only
+    flops: Optional[Callable] = None
+    sequence_parallel: bool = False  # its mixers split a sequence over `mesh.sequence` devices
+    write_cost: bool = False  # its memories sow a write cost that `train.write_penalty` can charge
+    # (key, value) pairs a config saved before the key existed gets (nlearn.config.migrate): the value such a
+    # run trained with
+    migrations: tuple = ()
 
 
 FAMILIES: dict[str, Family] = {}
 
 
 def register(name: str, make_mixer: MixerFactory, validate: Optional[Callable] = None,
-             model: Optional[Callable] = None) -> None:
-    FAMILIES[name] = Family(make_mixer, validate, model)
+             model: Optional[Callable] = None, **capabilities) -> None:
+    """Register family `name`; `capabilities` are `Family`'s other fields."""
+    FAMILIES[name] = Family(make_mixer, validate, model, **capabilities)
 
 
 def validate_config(config) -> None:
@@ -38,7 +49,7 @@ def validate_config(config) -> None:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
     if memory is not None:  # the delta rules' choices (other families' memories have neither key)
-        from nlearn.layers.memory_mixer import DeltaNetMixer
+        from nlearn.layers.mixers import DeltaNetMixer
         for key, choices in (("qk_activation", DeltaNetMixer.QK_ACTIVATIONS), ("beta_gate", DeltaNetMixer.BETA_GATES)):
             if key in memory and memory[key] not in choices:
                 raise UserError(f"invalid config value model.memory.{key}={memory[key]!r}: valid "

@@ -32,6 +32,8 @@ from nlearn.layers.cms import ORDERS, UPDATES, ContinuumMemory, accumulate_and_u
 from nlearn.layers.core import RMSNorm, swiglu_width
 from nlearn.models import register
 from nlearn.models.lm import LanguageModel, per_layer, scan_layers
+from nlearn.models.self_referential import MIGRATIONS as SELF_REFERENTIAL_MIGRATIONS
+from nlearn.models import flops
 
 MIXERS = ("self_referential", "attention")
 
@@ -298,4 +300,4 @@ class HopeModel(LanguageModel):
         return jnp.swapaxes(logits, 0, 1), cache
 
 
-register("hope", _make_mixer, validate, model=HopeModel)
+register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope, migrations=SELF_REFERENTIAL_MIGRATIONS)

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 
-from nlearn.layers.memory_mixer import (DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer,
+from nlearn.layers.mixers import (DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer,
                                         TTTMLPMixer)
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import register
+from nlearn.models import flops
 
 
 def _mixer(cls, **kwargs):
     return lambda cfg, layer_index, rngs: cls(cfg, rngs=rngs, **kwargs)
 
 
-register("linear_attention", _mixer(LinearAttentionMixer))
-register("deltanet", _mixer(DeltaNetMixer))
-register("gated_deltanet", _mixer(DeltaNetMixer, gated=True))
-register("titans_lmm", _mixer(NeuralMemoryMixer), validate_neural_memory)
-register("ttt_linear", _mixer(TTTLinearMixer))
-register("ttt_mlp", _mixer(TTTMLPMixer))
+# Keys the delta rules gained after runs were saved, with the value such a run trained with.
+DELTA_MIGRATIONS = (("model.memory.qk_activation", "silu"), ("model.memory.beta_min", 0.0),
+                    ("model.memory.beta_gate", "sigmoid"), ("model.memory.gate_conv", False))
+_delta_flops = flops.per_head(lambda cfg, t, d, backend: flops.delta_rule(t, d, cfg.memory.chunk_size, backend))
+
+register("linear_attention", _mixer(LinearAttentionMixer), sequence_parallel=True,
+         flops=flops.per_head(lambda cfg, t, d, be: 3.0 * flops.linear_attention(t, d, cfg.memory.chunk_size)))
+register("deltanet", _mixer(DeltaNetMixer), flops=_delta_flops, sequence_parallel=True, write_cost=True,
+         migrations=DELTA_MIGRATIONS)
+register("gated_deltanet", _mixer(DeltaNetMixer, gated=True), flops=_delta_flops, sequence_parallel=True,
+         write_cost=True, migrations=DELTA_MIGRATIONS)
+register("titans_lmm", _mixer(NeuralMemoryMixer), validate_neural_memory,
+         flops=flops.per_head(lambda cfg, t, d, be: flops.neural_memory(t, d, cfg.memory)))
+register("ttt_linear", _mixer(TTTLinearMixer),
+         flops=flops.per_head(lambda cfg, t, d, be: 3.0 * flops.ttt_linear(t, d, cfg.memory.minibatch)))
+register("ttt_mlp", _mixer(TTTMLPMixer),
+         flops=flops.per_head(lambda cfg, t, d, be: 3.0 * flops.ttt_mlp(t, d, cfg.memory.expansion * d,
+                                                                       cfg.memory.minibatch)))

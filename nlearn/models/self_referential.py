@@ -11,6 +11,7 @@ import ml_collections
 from nlearn.errors import UserError
 from nlearn.layers.self_referential import SelfReferentialMixer
 from nlearn.models import register
+from nlearn.models import flops
 
 
 # Model sizes shared by `configs/self_ref_titans.py` and `configs/hope.py` (Hope splits the SwiGLU width over
@@ -94,4 +95,8 @@ def _make_mixer(cfg, layer_index, rngs):
     return SelfReferentialMixer(cfg, rngs=rngs)
 
 
-register("self_ref_titans", _make_mixer, validate)
+# Keys added after runs were saved (here and by `hope`), with the value such a run trained with.
+MIGRATIONS = (("model.memory.dgd_output", False), ("model.memory.targets", "chunk"),
+              ("model.memory.inner_step", "plain"), ("model.memory.read_residual", True))
+register("self_ref_titans", _make_mixer, validate, migrations=MIGRATIONS,
+         flops=flops.per_head(lambda cfg, t, d, be: flops.self_referential(t, d, cfg.memory)))

@@ -18,6 +18,7 @@ from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MAC_POSITIONS,
                                   MACMixer, MAGMixer, MALMixer, mac_memory_input, mac_output, mac_positions,
                                   mag_output, mal_attn_input)
 from nlearn.memory_config import validate_neural_memory
+from nlearn.models import flops
 from nlearn.models import register
 
 
@@ -79,6 +80,12 @@ def _mixer(cls):
     return lambda cfg, layer_index, rngs: cls(cfg, rngs=rngs)
 
 
-register("titans_mac", _mixer(MACMixer), validate_mac)
-register("titans_mag", _mixer(MAGMixer), validate_mag)
-register("titans_mal", _mixer(MALMixer), validate_mal)
+# Keys added after runs were saved, with the value such a run trained with.
+_CONV = ("model.attn_conv_size", 0)
+register("titans_mac", _mixer(MACMixer), validate_mac, flops=flops.mac,
+         migrations=(_CONV, ("model.mac_output", "gate"), ("model.mac_memory_input", "x+y"),
+                     ("model.mac_positions", "absolute")))
+register("titans_mag", _mixer(MAGMixer), validate_mag, flops=flops.windowed_titans,
+         migrations=(_CONV, ("model.mag_output", "blend")))
+register("titans_mal", _mixer(MALMixer), validate_mal, flops=flops.windowed_titans,
+         migrations=(_CONV, ("model.mal_attn_input", "x+m")))

@@ -8,6 +8,7 @@ from nlearn.errors import UserError
 from nlearn.layers.attention import Attention
 from nlearn.layers.core import head_dim
 from nlearn.models import register
+from nlearn.models import flops
 
 
 def make_attention(cfg, layer_index: int, rngs):
@@ -22,4 +23,5 @@ def validate(config) -> None:
                         "RoPE needs an even head dimension")
 
 
-register("transformer", make_attention, validate)
+register("transformer", make_attention, validate, sequence_parallel=True,
+         flops=flops.per_head(lambda cfg, t, d, be: 3.0 * flops.causal_attention(t, d, cfg.window)))

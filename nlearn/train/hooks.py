@@ -1,9 +1,10 @@
 """The trainer's one step hook: what a run adds around the plain loop, chosen from the config.
 
 `StepHook` is the plain run (`train.steps` steps of one jitted step, nothing else); the trainer calls
-it at fixed points (start, after each step, after each eval, at each checkpoint). Benchmark options
-(`train.time_budget_s`, `train.cpu_opt_preset`) live in `nlearn.train.benchmark` and reach the run
-only through the hook `make_hook` returns.
+it at fixed points (start, after each step, after each eval, at each checkpoint). The step itself always
+comes from `nlearn.train.step.make_train_step` with every option of the config; a hook only chooses the
+optimizer's schedule arguments (`train.time_budget_s`, nlearn.train.time_budget) and the compiler options
+(`train.cpu_opt_preset`, nlearn.train.cpu_preset), so it cannot drop a feature of the step.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import jax
 
 from nlearn.train import mesh as mesh_lib
-from nlearn.train import state_passing, write_penalty
+from nlearn.train.cpu_preset import compiler_options
 from nlearn.train.step import make_train_step
 
 
@@ -20,24 +21,30 @@ class StepHook:
 
     def __init__(self, config, workdir: str, lead: bool):
         self.config, self.workdir, self.lead = config, workdir, lead
-        self.compiler_options = None  # `jax.jit` compiler options of the train and eval steps
+        self.compiler_options = compiler_options(config.train)  # of the jitted train and eval steps
 
     def plan(self, meta: dict | None) -> int:
         """The run's last step, given the restored checkpoint's metadata (None: a fresh run)."""
         return self.config.train.steps
 
+    def optimizer(self, setup):
+        """The train step's optimizer: an optax transformation, or a function of `schedule_args()` that
+        returns one."""
+        return setup.optimizer
+
+    def schedule_args(self) -> tuple:
+        """The extra (traced) arguments each call of the train step passes to `optimizer`."""
+        return ()
+
     def jit_step(self, setup):
-        """The jitted `(state, batch) -> (state, metrics)`."""
-        t = self.config.train
-        passing = ((t.state_passing, t.state_passing_from, state_passing.batch_axes(self.config))
-                   if state_passing.enabled(self.config) else None)
-        penalty = (t.write_penalty, t.write_penalty_from) if write_penalty.enabled(self.config) else None
-        step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype,
-                               state_passing=passing, write_penalty=penalty)
-        jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+        """The jitted `(state, batch) -> (state, metrics)`: `make_train_step` with this hook's optimizer."""
+        step = make_train_step(self.config, setup.graphdef, self.optimizer(setup), dtype=setup.dtype)
+        extra = (mesh_lib.replicated(setup.mesh),) * len(self.schedule_args())
+        jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding, *extra),
                          out_shardings=(setup.state_shardings, None), donate_argnums=0,
                          compiler_options=self.compiler_options)
-        return mesh_lib.in_mesh_context(jitted, setup.mesh)
+        jitted = mesh_lib.in_mesh_context(jitted, setup.mesh)
+        return lambda state, batch: jitted(state, batch, *self.schedule_args())
 
     def after_step(self, step: int, batch: dict, metrics, began: float) -> int | None:
         """Called once step `step` is dispatched (`began`: `time.perf_counter()` before its batch was
@@ -54,8 +61,6 @@ class StepHook:
 
 def make_hook(config, workdir: str, lead: bool) -> StepHook:
     """The hook `config.train` asks for: a time-budgeted run's, else the plain one."""
-    from nlearn.train import benchmark  # builds on StepHook
+    from nlearn.train.time_budget import TimeBudget  # builds on StepHook
 
-    hook = (benchmark.TimeBudget if config.train.time_budget_s > 0 else StepHook)(config, workdir, lead)
-    hook.compiler_options = benchmark.compiler_options(config.train)
-    return hook
+    return (TimeBudget if config.train.time_budget_s > 0 else StepHook)(config, workdir, lead)

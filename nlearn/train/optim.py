@@ -26,7 +26,7 @@ def learning_rate(config, total=None) -> optax.Schedule:
     `train.decay_steps` > 0 ends the cosine there, the steps after it at the floor (e.g. a post-training phase).
 
     `total` (WSD only) replaces `train.steps`: `[steps, stable_end]` from `wsd_total`, which may be a
-    traced int32 array: a time-budgeted run (`nlearn.train.benchmark`) chooses its total after compiling
+    traced int32 array: a time-budgeted run (`nlearn.train.time_budget`) chooses its total after compiling
     its train step. The boundary comes in computed by Python, as below, so both agree exactly."""
     t = config.train
     warmup = warmup_steps(t)

@@ -52,89 +52,77 @@ def apply_gradients(optimizer, state, grads) -> dict:
                 step=state["step"] + 1)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, grad_accum: int, dtype,
-                    state_passing=None, write_penalty=None):
-    """`(state, batch) -> (state, metrics)`; gradients averaged over `grad_accum` micro-batches.
+def make_train_step(config, graphdef, optimizer, *, dtype=jnp.float32):
+    """The one train step: `(state, batch, *schedule) -> (state, metrics)` with every option `config.train`
+    sets, so no caller can build a step without one of them.
 
-    The loss is the mean token cross-entropy, or, when the batch carries `weights` (e.g. MQAR,
-    where only answers count), the weighted mean over the whole batch. `state_passing`, when given, is
-    `(probability, first step, cache batch axes)`: the step starts rows from `state["carry"]`
-    (nlearn.train.state_passing) and leaves the batch's final states there. `write_penalty`, when given, is
-    `(weight, first step)`: the loss adds weight x the memories' write cost (nlearn.train.write_penalty),
-    reported as the `write_cost` metric.
+    The loss is the mean token cross-entropy, or, when the batch carries `weights` (e.g. MQAR, where only
+    answers count), the weighted mean over the whole batch; gradients are summed over `train.grad_accum`
+    micro-batches. `train.state_passing` starts rows from `state["carry"]` (nlearn.train.state_passing) and
+    leaves the batch's final states there (metrics `passed_rows`, `passing_blocked`); `train.write_penalty`
+    adds its weight x the memories' write cost (nlearn.train.write_penalty; metric `write_cost`).
+    `optimizer` is an optax transformation, or a function of the step's extra `schedule` arguments that
+    returns one (a time-budgeted run passes its chosen total as traced scalars, nlearn.train.time_budget).
     """
-    if state_passing is not None:
-        return _state_passing_step(graphdef, optimizer, dtype, *state_passing, write_penalty=write_penalty)
+    t = config.train
+    accum = t.grad_accum
+    passing = sp.enabled(config)
+    axes = sp.batch_axes(config) if passing else None
+    costed = wp.enabled(config)
+    if passing and accum != 1:
+        raise ValueError("train.state_passing needs train.grad_accum=1 (config.validate refuses it)")
+    zero = jnp.zeros((), jnp.float32)
 
-    def loss_parts(params, mb):
-        if write_penalty is None:
-            return weighted_sums(token_losses(graphdef, params, mb["inputs"], mb["targets"], dtype), mb), 0.0
-        losses, cost = token_losses_and_write_cost(graphdef, params, mb["inputs"], mb["targets"], dtype)
-        return weighted_sums(losses, mb), cost
+    def loss_fn(params, mb, total_weight, penalty, carry, keep_B):
+        model = nnx.merge(graphdef, cast_params(params, dtype))
+        extra = {}
+        if passing:  # the forward is `decode` from each row's start state: the window continues the carried
+            b, n = mb["inputs"].shape  # recurrence exactly as streaming would
+            fresh = model.init_cache(b, n)
+            carry = model.rebase_cache(carry)  # e.g. titans_mac's position, counted from its segment's start
+            blocked = ~sp.shared_leaves_agree(carry, fresh, axes)  # e.g. a mini-batch position not back at 0
+            keep_B = keep_B & ~blocked
+            run, args = model.decode, (mb["inputs"], sp.start_states(carry, fresh, axes, keep_B))
+        else:
+            run, args = model.__call__, (mb["inputs"],)
+        out, cost = wp.run_costed(run, *args) if costed else (run(*args), zero)
+        if passing:
+            out, extra["final"] = out
+            extra["keep"], extra["blocked"] = keep_B, blocked
+        loss_sum, _ = weighted_sums(optax.softmax_cross_entropy_with_integer_labels(out, mb["targets"]), mb)
+        loss, cost = loss_sum / total_weight, cost / accum
+        return (loss + penalty * cost if costed else loss), (loss, cost, extra)
 
-    def train_step(state, batch):
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+    def train_step(state, batch, *schedule):
+        opt = optimizer(*schedule) if callable(optimizer) else optimizer  # an optax transformation is a tuple
         total_weight = jnp.sum(batch["weights"].astype(jnp.float32)) if "weights" in batch else float(
             batch["targets"].size)
         total_weight = jnp.maximum(total_weight, 1.0)
-        penalty = 0.0 if write_penalty is None else wp.weight_at(state["step"], *write_penalty)
-
-        def loss_fn(params, mb):
-            (loss_sum, _), cost = loss_parts(params, mb)
-            loss = loss_sum / total_weight
-            return loss + penalty * cost / grad_accum, (loss, cost / grad_accum)
-
+        penalty = wp.weight_at(state["step"], t.write_penalty, t.write_penalty_from) if costed else zero
+        carry = state["carry"] if passing else None
+        keep_B = (sp.keep_rows(state["rng"], state["step"], batch["inputs"].shape[0], t.state_passing,
+                               t.state_passing_from) if passing else None)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        if grad_accum == 1:
-            (_, (loss, cost)), grads = grad_fn(state["params"], batch)
+        if accum == 1:
+            (_, (loss, cost, extra)), grads = grad_fn(state["params"], batch, total_weight, penalty, carry, keep_B)
         else:
-            def accumulate(carry, mb):
-                return jax.tree.map(jnp.add, carry, grad_fn(state["params"], mb)), None
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
-            nothing = jnp.zeros((), jnp.float32)
-            zero = ((nothing, (nothing, nothing)), jax.tree.map(jnp.zeros_like, state["params"]))
-            ((_, (loss, cost)), grads), _ = jax.lax.scan(accumulate, zero, micro)
+            def accumulate(total, mb):
+                (_, aux), grads = grad_fn(state["params"], mb, total_weight, penalty, None, None)
+                return jax.tree.map(jnp.add, total, (aux, grads)), None
+
+            start = ((zero, zero, {}), jax.tree.map(jnp.zeros_like, state["params"]))
+            ((loss, cost, extra), grads), _ = jax.lax.scan(accumulate, start, micro)
+        new_state = apply_gradients(opt, state, grads)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        if write_penalty is not None:
+        if costed:
             metrics["write_cost"] = cost
-        return apply_gradients(optimizer, state, grads), metrics
-
-    return train_step
-
-
-def _state_passing_step(graphdef, optimizer, dtype, probability: float, first_step: int, axes, *,
-                        write_penalty=None):
-    """The train step of `train.state_passing` (one micro-batch): the forward is the model's `decode` from
-    each row's start state, so the window continues the carried recurrence exactly as streaming would."""
-
-    def loss_fn(params, batch, carry, keep_B, penalty):
-        model = nnx.merge(graphdef, cast_params(params, dtype))
-        b, t = batch["inputs"].shape
-        fresh = model.init_cache(b, t)
-        carry = model.rebase_cache(carry)  # e.g. titans_mac's position, counted from its segment's start
-        blocked = ~sp.shared_leaves_agree(carry, fresh, axes)  # e.g. a mini-batch position not back at 0
-        keep_B = keep_B & ~blocked
-        start = sp.start_states(carry, fresh, axes, keep_B)
-        if write_penalty is None:
-            (logits, final), cost = model.decode(batch["inputs"], start), 0.0
-        else:
-            (logits, final), cost = wp.run_costed(model.decode, batch["inputs"], start)
-        loss_sum, weight = weighted_sums(
-            optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), batch)
-        loss = loss_sum / jnp.maximum(weight, 1.0)
-        return loss + penalty * cost, (loss, cost, final, keep_B, blocked)
-
-    def train_step(state, batch):
-        keep_B = sp.keep_rows(state["rng"], state["step"], batch["inputs"].shape[0], probability, first_step)
-        penalty = 0.0 if write_penalty is None else wp.weight_at(state["step"], *write_penalty)
-        (_, (loss, cost, final, keep_B, blocked)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], batch, state["carry"], keep_B, penalty)
-        new_state = dict(apply_gradients(optimizer, state, grads), carry=sp.next_carry(state["carry"], final, axes))
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "passed_rows": jnp.mean(keep_B.astype(jnp.float32)),
-                   "passing_blocked": (blocked & (state["step"] >= first_step)).astype(jnp.float32)}
-        if write_penalty is not None:
-            metrics["write_cost"] = cost
+        if passing:
+            new_state["carry"] = sp.next_carry(carry, extra["final"], axes)
+            metrics["passed_rows"] = jnp.mean(extra["keep"].astype(jnp.float32))
+            metrics["passing_blocked"] = (extra["blocked"] & (state["step"] >= t.state_passing_from)).astype(
+                jnp.float32)
         return new_state, metrics
 
     return train_step

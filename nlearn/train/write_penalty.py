@@ -19,9 +19,6 @@ from flax import nnx
 
 from nlearn.errors import UserError
 
-FAMILIES = ("deltanet", "gated_deltanet")  # the families whose mixers sow a write cost
-
-
 def enabled(config) -> bool:
     return config.train.get("write_penalty", 0.0) > 0
 
@@ -35,9 +32,12 @@ def validate(config) -> None:
         raise UserError(fail("train.write_penalty", weight, "must be >= 0 (the weight of the mean write cost)"))
     if first < 0:
         raise UserError(fail("train.write_penalty_from", first, "must be >= 0 (a step)"))
-    if weight and config.model.family not in FAMILIES:
+    from nlearn import models  # each family's record says whether its memories sow a write cost
+
+    if weight and not models.FAMILIES[config.model.family].write_cost:
+        able = sorted(name for name, family in models.FAMILIES.items() if family.write_cost)
         raise UserError(fail("train.write_penalty", weight, f"family {config.model.family!r} has no write gate to "
-                             f"charge (only {', '.join(FAMILIES)})"))
+                             f"charge (only {', '.join(able)})"))
     if weight and config.model.get("scan_layers", False):
         raise UserError(fail("train.write_penalty", weight, "needs model.scan_layers=False (scanned layers do not "
                              "report their write costs)"))

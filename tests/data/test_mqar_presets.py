@@ -66,15 +66,6 @@ def test_override_typos_are_refused(presets):
         presets._set(presets.get_config("deltanet"), "train.no_such_key", 1)
 
 
-def test_family_overrides_apply(presets):
-    for family, overrides in presets.FAMILY_OVERRIDES.items():
-        c = presets.get_config(family)
-        for key, value in overrides.items():
-            assert lookup(c.model, key) == value, (family, key)
-    lmm = presets.get_config("titans_lmm")
-    assert lmm.model.memory.depth == 1 and lmm.model.memory.max_lr == pytest.approx(0.2)
-
-
 def test_unknown_family_names_the_valid_ones(presets):
     with pytest.raises(UserError, match="valid: .*deltanet"):
         presets.get_config("no_such_family")

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from nlearn.eval.tasks import per_position as pp
-from nlearn.layers.memory_mixer import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer
+from nlearn.layers.mixers import DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer
 from nlearn.memory import ttt
 from nlearn.memory.delta import gated_delta_rule_step
 from nlearn.memory.neural_memory import neural_memory

@@ -307,6 +307,21 @@ SWEEP += [dict(cm=cm, co=co, read=r, st=s, tg="initial") for (cm, co) in ((2, 4)
 SWEEP += [dict(cm=cm, co=co, os="normalized", dgo=d) for (cm, co) in ((2, 4), (4, 2)) for d in (True, False)]
 
 
+def test_the_default_suites_gradient_case_is_the_layers_default():
+    """GRAD_CFGS[0], whose chunked-vs-reference gradients the default suite checks, is the layer's default
+    memory (`memory_config()`), at chunks short enough to compile quickly (as by default, the memory's chunks
+    split the generators' chunks)."""
+    from nlearn.models.self_referential import memory_config
+
+    default = memory_config()
+    want = {k: default[k] for k in ("lr_max", "activation", "dgd", "dgd_output", "read", "self_targets",
+                                    "adaptive_q", "targets", "inner_step")}
+    got = op_kwargs(GRAD_CFGS[0])
+    assert {k: got[k] for k in want} == want
+    for c in (got, default):
+        assert c["chunk_memory"] < c["chunk_other"] and c["chunk_other"] % c["chunk_memory"] == 0
+
+
 @pytest.mark.parametrize("cfg", GRAD_PARAMS, ids=cfg_id)
 def test_chunked_matches_reference_values_and_gradients(cfg):
     o, g = op_grads(cfg, "chunked")
@@ -325,17 +340,26 @@ def test_recurrent_gradients_match_chunked():
         assert rel_err(a, b) <= TOL
 
 
+SWEEP_GRIDS = sorted({(c["cm"], c["co"]) for c in SWEEP})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", SWEEP, ids=cfg_id)
-def test_sweep_chunked_recurrent_reference(cfg):
-    o_c, g_c = op_grads(cfg, "chunked")
-    o_r, g_r = op_grads(cfg, "recurrent")
-    o_ref, g_ref = ref_grads(cfg)
-    q = np.asarray(_probe(cfg)[0][1])
-    for o in (o_c, o_r):
-        assert rel_err(np.asarray(o) - q, o_ref - q) <= TOL
-    assert_grads_close(g_c, g_ref)
-    assert_grads_close(g_r, g_ref)
+@pytest.mark.parametrize("grid", SWEEP_GRIDS, ids=lambda g: f"cm={g[0]},co={g[1]}")
+def test_sweep_chunked_recurrent_reference(grid):
+    """Every option combination of the sweep on one chunk grid (one test per grid, each combination named
+    in its failure)."""
+    for cfg in [c for c in SWEEP if (c["cm"], c["co"]) == grid]:
+        o_c, g_c = op_grads(cfg, "chunked")
+        o_r, g_r = op_grads(cfg, "recurrent")
+        o_ref, g_ref = ref_grads(cfg)
+        q = np.asarray(_probe(cfg)[0][1])
+        try:
+            for o in (o_c, o_r):
+                assert rel_err(np.asarray(o) - q, o_ref - q) <= TOL, "output"
+            assert_grads_close(g_c, g_ref)
+            assert_grads_close(g_r, g_ref)
+        except AssertionError as e:
+            raise AssertionError(f"{cfg_id(cfg)}: {e}") from e
 
 
 def test_every_initial_state_gets_a_gradient():

@@ -7,7 +7,7 @@ import jax
 from nlearn import data
 from nlearn.eval.perplexity import make_evaluator
 from nlearn.eval.tasks.context import TaskContext
-from nlearn.train.benchmark import compiler_options
+from nlearn.train.cpu_preset import compiler_options
 
 
 def run(ctx: TaskContext) -> tuple[dict, list[dict]]:

@@ -12,7 +12,7 @@ from nlearn import data
 from nlearn.errors import UserError
 from nlearn.eval.perplexity import make_evaluator
 from nlearn.eval.tasks.context import TaskContext
-from nlearn.train.benchmark import compiler_options
+from nlearn.train.cpu_preset import compiler_options
 from nlearn.train.state import make_setup
 
 SAMPLES_KEPT = 8  # windows written to mqar.samples.jsonl per length

@@ -1,7 +1,6 @@
-"""Benchmark-only run options, reached through the trainer's step hook (`nlearn.train.hooks`).
+"""`train.time_budget_s`, a run option reached through the trainer's step hook (`nlearn.train.hooks`).
 
-`train.cpu_opt_preset` picks XLA:CPU's optimisation preset for the jitted steps. `train.time_budget_s`
-fits a run's step count to a wall-time budget, once, early in the run: a warmup-stable-decay schedule
+It fits a run's step count to a wall-time budget, once, early in the run: a warmup-stable-decay schedule
 holds its peak until the last `decay_fraction` of the steps, so the lr of every step taken during the
 stable phase is the same whatever the total. The hook times a few steps at the task's own batch shape
 (compilation and curriculum windows excluded) and, while still in the stable phase, picks the largest
@@ -24,14 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nlearn.train import mesh as mesh_lib
 from nlearn.train.hooks import StepHook
 from nlearn.train.optim import make_optimizer, warmup_steps, wsd_stable_end, wsd_total
-from nlearn.train.step import make_train_step
-
-# `train.cpu_opt_preset` -> XLA:CPU's optimisation preset for the jitted train and eval steps.
-CPU_OPT_PRESETS = {"default": "CPU_OPT_PRESET_DEFAULT", "fast_compile": "CPU_OPT_PRESET_FAST_COMPILE",
-                   "fast_runtime": "CPU_OPT_PRESET_FAST_RUNTIME"}
 
 TIMED_STEPS = 8  # steps of the task's shape timed before planning (after its compiling step)
 SAFETY = 0.98  # fraction of the remaining budget the forecast may fill (timing noise, checkpoints)
@@ -69,14 +62,6 @@ def fit_total(step: int, configured: int, *, elapsed_s: float, step_s: float, bu
     left = SAFETY * (budget_s - elapsed_s)
     fits = step + int(max(left, 0.0) // (step_s + extra_s_per_step))
     return int(min(configured, max(fits, shortest, step)))
-
-
-def compiler_options(train_config) -> dict | None:
-    """`jax.jit` compiler options from `train.cpu_opt_preset`, on the CPU backend only (the
-    accelerators' compilers have no such option); None leaves XLA's defaults."""
-    if train_config.cpu_opt_preset == "default" or jax.default_backend() != "cpu":
-        return None
-    return {"xla_cpu_opt_preset": CPU_OPT_PRESETS[train_config.cpu_opt_preset]}
 
 
 class BudgetPlanner:
@@ -128,8 +113,8 @@ class BudgetPlanner:
 
 class TimeBudget(StepHook):
     """The step hook of a run with `train.time_budget_s > 0` (a "wsd" schedule): times its first steps,
-    then lowers its total once (`BudgetPlanner`). The train step takes the total as traced scalars,
-    so choosing it mid-run compiles nothing again."""
+    then lowers its total once (`BudgetPlanner`). The train step takes the total as traced scalars (its
+    optimizer's schedule arguments), so choosing it mid-run compiles nothing again."""
 
     def __init__(self, config, workdir: str, lead: bool):
         super().__init__(config, workdir, lead)
@@ -149,19 +134,15 @@ class TimeBudget(StepHook):
         self.planner = BudgetPlanner(t)
         return self.total
 
-    def jit_step(self, setup):
-        t = self.config.train
+    def optimizer(self, setup):
+        return lambda total: make_optimizer(self.config, total)
 
-        def step_with_total(state, batch, total):
-            optimizer = make_optimizer(self.config, total)
-            return make_train_step(setup.graphdef, optimizer, grad_accum=t.grad_accum, dtype=setup.dtype)(state, batch)
+    def schedule_args(self) -> tuple:
+        return (self._boundaries(self.total),)  # one transfer per total
 
-        jitted = jax.jit(step_with_total, out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                         in_shardings=(setup.state_shardings, setup.batch_sharding, mesh_lib.replicated(setup.mesh)),
-                         compiler_options=self.compiler_options)
-        jitted = mesh_lib.in_mesh_context(jitted, setup.mesh)
-        boundaries = functools.lru_cache(maxsize=4)(lambda total: jnp.asarray(wsd_total(self.config, total)))
-        return lambda state, batch: jitted(state, batch, boundaries(self.total))  # one transfer per total
+    @functools.lru_cache(maxsize=4)
+    def _boundaries(self, total: int):
+        return jnp.asarray(wsd_total(self.config, total))
 
     def after_step(self, step: int, batch: dict, metrics, began: float) -> int | None:
         shape = batch["inputs"].shape
