@@ -48,10 +48,11 @@ def run_cli(module: str, *args: str, env: dict | None = None, timeout: int = 300
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
-def load_family_config(family: str, preset: str = "tiny"):
-    """`configs/<family>.py:<preset>` (configs/ is not a package, so loaded by path)."""
-    path = os.path.join(ROOT, "configs", f"{family}.py")
-    spec = importlib.util.spec_from_file_location(f"nlearn_config_test_{family}", path)
+def load_family_config(family: str, preset: str = "tiny", folder: str = "configs"):
+    """`<folder>/<family>.py:<preset>` (configs/ is not a package, so loaded by path); folder
+    "benchmarks/configs" for the task presets (`load_family_config("niah", "deltanet", "benchmarks/configs")`)."""
+    path = os.path.join(ROOT, folder, f"{family}.py")
+    spec = importlib.util.spec_from_file_location(f"nlearn_config_test_{folder.replace('/', '_')}_{family}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(preset)

@@ -55,7 +55,6 @@ def imported_names(module: str, tree: ast.AST) -> list[tuple[str, bool]]:
                     anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
                     base = ".".join(anchor + ([base] if base else []))
                 out.extend((f"{base}.{alias.name}" if alias.name != "*" else base, top) for alias in child.names)
-                out.append((base, top))
             visit(child, inner)
 
     visit(tree, True)
@@ -120,15 +119,8 @@ def test_the_walk_sees_module_and_function_level_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
 
 
-# The one cycle left: nlearn/models/__init__.py defines `register`, then imports the family modules, which
-# import `register` from it (register-on-import). Issue 50's one-record-per-family work replaces it.
-KNOWN_EDGES = {("nlearn.models", f"nlearn.models.{m}")
-               for m in ("transformer", "recurrent", "titans", "self_referential", "hope")}
-
-
 def test_no_import_cycle_among_nlearn_modules():
-    module_level = {m: {t for t, top in edges.items() if top and (m, t) not in KNOWN_EDGES}
-                    for m, edges in GRAPH.items()}
+    module_level = {m: {t for t, top in edges.items() if top} for m, edges in GRAPH.items()}
     cycle = find_cycle(module_level)
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
 

@@ -77,12 +77,10 @@ def test_a_time_budget_keeps_micro_batches_and_the_write_cost(tmp_path):
 
 
 def test_the_niah_deltanet_preset_with_a_time_budget_charges_the_write_cost_and_passes_states(tmp_path):
-    """configs/niah.py:deltanet (write cost from step 3000, state passing from 4500), with and without a time
+    """benchmarks/configs/niah.py:deltanet (write cost from step 3000, state passing from 4500), with and without a time
     budget: the same step, which charges the cost from step 3000 on (same cross-entropy, another gradient) and
     continues the carried states from step 4500 on (another loss, the carry replaced by the final states)."""
-    import niah
-
-    config = small(niah.get_config("deltanet"))
+    config = small(load_family_config("niah", "deltanet", "benchmarks/configs"))
     t = config.train
     assert t.write_penalty > 0 and t.state_passing > 0 and t.write_penalty_from < t.state_passing_from
     steps = [t.write_penalty_from - 1, t.write_penalty_from, t.state_passing_from - 1, t.state_passing_from]

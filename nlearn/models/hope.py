@@ -30,7 +30,7 @@ from flax import nnx
 from nlearn.errors import UserError
 from nlearn.layers.cms import ORDERS, UPDATES, ContinuumMemory, accumulate_and_update
 from nlearn.layers.core import RMSNorm, swiglu_width
-from nlearn.models import register
+from nlearn.models.registry import register
 from nlearn.models.lm import LanguageModel, per_layer, scan_layers
 from nlearn.models.self_referential import MIGRATIONS as SELF_REFERENTIAL_MIGRATIONS
 from nlearn.models import flops

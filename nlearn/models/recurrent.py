@@ -6,7 +6,7 @@ from __future__ import annotations
 from nlearn.layers.mixers import (DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer,
                                         TTTMLPMixer)
 from nlearn.memory_config import validate_neural_memory
-from nlearn.models import register
+from nlearn.models.registry import register
 from nlearn.models import flops
 
 

@@ -10,7 +10,7 @@ import ml_collections
 
 from nlearn.errors import UserError
 from nlearn.layers.self_referential import SelfReferentialMixer
-from nlearn.models import register
+from nlearn.models.registry import register
 from nlearn.models import flops
 
 

@@ -19,7 +19,7 @@ from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MAC_POSITIONS,
                                   mag_output, mal_attn_input)
 from nlearn.memory_config import validate_neural_memory
 from nlearn.models import flops
-from nlearn.models import register
+from nlearn.models.registry import register
 
 
 def _fail(key: str, value, why: str):

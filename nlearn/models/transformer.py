@@ -7,7 +7,7 @@ import math
 from nlearn.errors import UserError
 from nlearn.layers.attention import Attention
 from nlearn.layers.core import head_dim
-from nlearn.models import register
+from nlearn.models.registry import register
 from nlearn.models import flops
 
 
