@@ -10,6 +10,7 @@ stream). Needs the `eval` extra (`pip install 'nlearn[eval]'`).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import jax
@@ -124,8 +125,9 @@ class NlearnLM(TemplateLM):
             if tokenizer is None:
                 raise UserError("model=... needs tokenizer=<sentencepiece .model path or nlearn Tokenizer>")
             dtype = jnp.float32
-        if isinstance(tokenizer, str):
-            tokenizer = load_tokenizer(tokenizer)
+        if isinstance(tokenizer, str):  # a .model file, or a folder holding one (nlearn-tokenizer --hf_dir)
+            tokenizer = load_tokenizer(os.path.join(tokenizer, "tokenizer.model") if os.path.isdir(tokenizer)
+                                       else tokenizer)
         if not isinstance(tokenizer, Tokenizer):
             raise UserError(f"tokenizer must be an nlearn Tokenizer or a .model path, got {type(tokenizer).__name__}")
         return graphdef, params, config, tokenizer, dtype, step
