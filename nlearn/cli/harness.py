@@ -6,12 +6,13 @@
 Every flag is lm-eval's (`nlearn-lm-eval --help`); the model arguments are `nlearn.eval.harness.NlearnLM`'s.
 """
 
-from nlearn.cli.common import configure_process, fail
+from nlearn.cli.common import configure_process, fail, quiet_libraries
 from nlearn.errors import UserError
 
 
 def run():
     configure_process()
+    quiet_libraries()
     try:
         import nlearn.eval.harness  # noqa: F401  (registers `nlearn`; says what to install without lm-eval)
         from lm_eval.__main__ import cli_evaluate
