@@ -219,7 +219,9 @@ def test_generate_until_stops_at_the_first_until_string(lm, monkeypatch):
     assert sampled == lm.generate(context, {"do_sample": True, "temperature": 1.0, "max_gen_toks": 6})
 
 
-def test_bad_arguments_are_one_line_user_errors(lm, run_dir, tmp_path):
+def test_bad_arguments_are_one_line_user_errors(lm, run_dir, tmp_path, monkeypatch):
+    import jax
+
     from nlearn.eval.harness import NlearnLM
 
     with pytest.raises(UserError, match="not a run directory"):
@@ -230,3 +232,6 @@ def test_bad_arguments_are_one_line_user_errors(lm, run_dir, tmp_path):
         NlearnLM(pretrained=run_dir, steps=3)
     with pytest.raises(UserError, match="exactly one of"):
         NlearnLM()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(UserError, match="runs in one process; this job has 2"):
+        NlearnLM(pretrained=run_dir)
