@@ -63,6 +63,9 @@ class NlearnLM(TemplateLM):
     chunk_size, max_length: tokens per streaming step and per window (0: the run's train.seq_len).
     batch_size: requests per `loglikelihood` batch. prefix_token_id: what every request follows (eos).
     temperature etc. come per request from lm-eval's `gen_kwargs`; `seed` seeds sampled generation.
+    model, tokenizer, config: an nnx model (or `(graphdef, params)`), its sentencepiece tokenizer (an nlearn
+      Tokenizer, a .model path or a folder holding `tokenizer.model`) and optionally its config (for seq_len).
+    max_batch_size and device are accepted because lm-eval's CLI always passes them; JAX picks the device.
     """
 
     def __init__(self, pretrained: Optional[str] = None, step: Optional[int] = None, *, model=None,
