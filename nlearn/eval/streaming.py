@@ -34,6 +34,20 @@ def make_chunk_step(graphdef, dtype=jnp.float32) -> Callable:
     return jax.jit(step, donate_argnums=(3,))
 
 
+def make_score_step(graphdef, dtype=jnp.float32) -> Callable:
+    """Jitted `(params, tokens [B, T], targets [B, T], cache) -> (log-probabilities of the targets [B, T],
+    whether each target is the argmax [B, T], cache)`: what lm-eval's `(logprob, is_greedy)` sums over."""
+
+    def step(params, tokens_BT, targets_BT, cache):
+        model = nnx.merge(graphdef, cast_params(params, dtype))
+        logits_BTV, cache = model.decode(tokens_BT, cache)
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        logprobs = -optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+        return logprobs, jnp.argmax(logits_BTV, axis=-1) == targets_BT, cache
+
+    return jax.jit(step, donate_argnums=(3,))
+
+
 @dataclasses.dataclass
 class Streamer:
     """Feeds token streams of any length through `graphdef`'s `decode` in chunks of `chunk_size`.
@@ -51,13 +65,14 @@ class Streamer:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         self._step = make_chunk_step(self.graphdef, self.dtype)
+        self._score_step = None  # compiled on first use (score)
 
     def init_cache(self, batch: int, max_len: int):
         """A fresh decoding cache whose leaves are distinct buffers (the chunk step donates them)."""
         cache = nnx.merge(self.graphdef, self.params).init_cache(batch, max_len, self.dtype)
         return jax.tree.map(lambda x: jnp.array(x, copy=True), cache)
 
-    def _chunks(self, length: int) -> Iterable[slice]:
+    def chunks(self, length: int) -> Iterable[slice]:
         """Full chunks, then the tail in decreasing powers of two (137 = 128 + 8 + 1): prompts of any length
         reuse at most log2(chunk_size) + 2 compiled shapes."""
         full = length - length % self.chunk_size
@@ -75,7 +90,7 @@ class Streamer:
         if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
             raise ValueError(f"tokens must be [batch, length >= 1], got shape {tokens_BT.shape}")
         logits = None
-        for s in self._chunks(tokens_BT.shape[1]):
+        for s in self.chunks(tokens_BT.shape[1]):
             logits, _, cache = self._step(self.params, jnp.asarray(tokens_BT[:, s]), None, cache)
         return logits, cache
 
@@ -87,10 +102,27 @@ class Streamer:
         inputs, targets = tokens_BT[:, :-1], tokens_BT[:, 1:]
         cache = self.init_cache(inputs.shape[0], inputs.shape[1]) if cache is None else cache
         out = []
-        for s in self._chunks(inputs.shape[1]):
+        for s in self.chunks(inputs.shape[1]):
             _, loss, cache = self._step(self.params, jnp.asarray(inputs[:, s]), jnp.asarray(targets[:, s]), cache)
             out.append(np.asarray(loss))
         return np.concatenate(out, axis=1)
+
+    def score(self, inputs_BT, targets_BT, cache):
+        """Feed `inputs [B, T]` after what `cache` holds, chunk by chunk: (log-probabilities of `targets
+        [B, T]` as float64 [B, T], whether each is the argmax [B, T], cache)."""
+        inputs_BT, targets_BT = np.asarray(inputs_BT, np.int32), np.asarray(targets_BT, np.int32)
+        if inputs_BT.shape != targets_BT.shape or inputs_BT.ndim != 2 or inputs_BT.shape[1] == 0:
+            raise ValueError(f"inputs and targets must both be [batch, length >= 1], got {inputs_BT.shape} "
+                             f"and {targets_BT.shape}")
+        if self._score_step is None:
+            self._score_step = make_score_step(self.graphdef, self.dtype)
+        logprobs, hits = [], []
+        for s in self.chunks(inputs_BT.shape[1]):
+            lp, hit, cache = self._score_step(self.params, jnp.asarray(inputs_BT[:, s]),
+                                              jnp.asarray(targets_BT[:, s]), cache)
+            logprobs.append(np.asarray(lp, np.float64))
+            hits.append(np.asarray(hit))
+        return np.concatenate(logprobs, axis=1), np.concatenate(hits, axis=1), cache
 
     def greedy(self, logits_BV, cache, max_new_tokens: int, stop_ids: Sequence[int] = (),
                check_finite: bool = False):

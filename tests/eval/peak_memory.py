@@ -1,5 +1,7 @@
 """Peak resident memory of scoring one random prompt of LENGTH tokens with configs/FAMILY.py:tiny, streamed
-in chunks of 512 then 8 greedy tokens: `python peak_memory.py FAMILY LENGTH` prints one JSON line.
+in chunks of 512 then 8 greedy tokens: `python peak_memory.py FAMILY LENGTH` prints one JSON line. With a
+third argument `rolling`, the prompt is instead scored as lm-eval's stream-mode `loglikelihood_rolling` scores
+a document (nlearn.eval.scoring.Scorer.document: every token's log-probability, no generation).
 
 Run in a fresh process per length (ru_maxrss is the process' peak); the chunk step is compiled and run on a
 short prompt first, so both lengths' peaks include the same compilation."""
@@ -12,6 +14,7 @@ import time
 import numpy as np
 
 from eval_helpers import load_family_config, split_model  # noqa: E402
+from nlearn.eval.scoring import Scorer
 from nlearn.eval.streaming import Streamer
 
 
@@ -23,20 +26,26 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def main(family: str, length: int) -> None:
+def main(family: str, length: int, mode: str = "complete") -> None:
     config = load_family_config(family)
     with config.unlocked():
         config.data.vocab_size = 1024
     graphdef, params = split_model(config)
-    streamer = Streamer(graphdef, params, chunk_size=512)
     rng = np.random.default_rng(0)
-    streamer.complete(rng.integers(0, 1024, 1024 + 100).tolist(), 8)  # compile: full chunk, tail, one token
+    if mode == "rolling":
+        scorer = Scorer(graphdef, params, chunk_size=512)
+        run = lambda tokens: len(scorer.document(tokens)[0])  # noqa: E731  (tokens scored)
+    else:
+        streamer = Streamer(graphdef, params, chunk_size=512)
+        run = lambda tokens: len(streamer.complete(tokens, 8))  # noqa: E731  (reply tokens)
+    run(rng.integers(0, 1024, 1024 + 100).tolist())  # compile: full chunk, tail, one token
     before, start = rss_mb(), time.perf_counter()
-    reply = streamer.complete(rng.integers(0, 1024, length).tolist(), 8)
-    print(json.dumps({"family": family, "length": length, "rss_before_mb": round(before, 1),
+    produced = run(rng.integers(0, 1024, length).tolist())
+    print(json.dumps({"family": family, "length": length, "mode": mode, "rss_before_mb": round(before, 1),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                      "seconds": round(time.perf_counter() - start, 1), "reply_tokens": len(reply)}))
+                      "seconds": round(time.perf_counter() - start, 1),
+                      ("scored_tokens" if mode == "rolling" else "reply_tokens"): produced}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
