@@ -54,7 +54,7 @@ def main() -> None:
     from flax import nnx
 
     from nlearn import models
-    from nlearn.data.haystack import haystack_words, text_tokenizer
+    from nlearn.tasks.haystack import haystack_words, text_tokenizer
     from nlearn.eval.harness import NlearnLM
 
     config = family_config(args.family, args.preset)

@@ -38,7 +38,7 @@ def main(argv):
     elif _CONFIG.value is not None:
         path = data.get_tokenizer(_CONFIG.value).path
     elif _WORKDIR.value:
-        from nlearn.data.haystack import text_tokenizer
+        from nlearn.tasks.haystack import text_tokenizer
         from nlearn.eval.restore import load_run_config
 
         tokenizer = text_tokenizer(load_run_config(_WORKDIR.value))

@@ -107,7 +107,7 @@ class NlearnLM(TemplateLM):
             raise UserError("the nlearn model needs exactly one of pretrained=<run directory> or model=<nnx model>")
         if pretrained is not None:
             from nlearn import config as config_lib
-            from nlearn.data.haystack import text_tokenizer
+            from nlearn.tasks.haystack import text_tokenizer
             from nlearn.eval.restore import load_run_config, restore_params
 
             config = load_run_config(str(pretrained))

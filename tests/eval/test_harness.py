@@ -179,7 +179,7 @@ def test_stream_rolling_equals_nlearn_eval_perplexity(lm, run_dir, monkeypatch):
     """The held-out document (a line break, then text) through `--task=perplexity`'s full forward, and its
     text streamed after the same line break: the same mean loss over the same tokens."""
     from nlearn import data
-    from nlearn.data.haystack import text_tokenizer
+    from nlearn.tasks.haystack import text_tokenizer
     from nlearn.eval.restore import load_run_config, restore_params
     from nlearn.eval.tasks import TaskContext, get_task
 
