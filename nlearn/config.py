@@ -158,6 +158,8 @@ MIGRATIONS = (
     ("model.memory.targets", "chunk", lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("model.memory.inner_step", "plain", lambda c: c.model.family in ("self_ref_titans", "hope")),
     ("model.memory.read_residual", True, lambda c: c.model.family in ("self_ref_titans", "hope")),
+    ("model.memory.inner_step", "paper",  # the neural memories before the bounded step
+     lambda c: c.model.family in ("titans_lmm", "titans_mac", "titans_mag", "titans_mal", "ttt_mlp")),
     ("data.niah.loss_on", "answer", None),  # skipped where a config has no data.niah section
     ("data.niah.curriculum", "", None),
     ("data.babilong.curriculum", "", None),

@@ -26,6 +26,9 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c = linear_memory()
     del c.normalize
     c.optimizer = "momentum"  # inner optimizer: see nlearn.memory.inner_optimizers.INNER_OPTIMIZERS
+    # The step's form: "paper" (Titans' summed mini-batch gradient and momentum) or "bounded" (averaged,
+    # momentum as an EMA, normalised per layer; see nlearn.memory.neural_memory), or its parts joined by "+".
+    c.inner_step = "paper"
     c.objective = "l2"  # inner objective: see nlearn.memory.objectives.OBJECTIVES
     c.minibatch = 16  # tokens whose gradients share the mini-batch start state (1 = fully online)
     c.depth = 2  # MLP layers of the memory (1 = matrix memory)
@@ -60,6 +63,7 @@ def validate_neural_memory(config) -> None:
         if mem[key] not in valid:
             raise UserError(f"invalid config value model.memory.{key}={mem[key]!r}: valid choices: "
                             f"{', '.join(sorted(valid))}")
+    validate_inner_step(mem)
     for key in ("minibatch", "depth", "expansion"):
         if mem[key] <= 0:
             raise UserError(f"invalid config value model.memory.{key}={mem[key]}: must be > 0")
@@ -68,3 +72,14 @@ def validate_neural_memory(config) -> None:
     decay_init = mem.decay_init
     if not 0.0 < decay_init < 1.0:
         raise UserError(f"invalid config value model.memory.decay_init={decay_init}: must be in (0, 1)")
+
+
+def validate_inner_step(mem) -> None:
+    """Refuse an unknown `memory.inner_step` of a neural memory (Titans, TTT-MLP) with the valid forms."""
+    from nlearn.errors import UserError
+    from nlearn.memory.neural_memory import step_parts
+
+    try:
+        step_parts(mem.inner_step)
+    except ValueError as e:
+        raise UserError(f"invalid config value model.memory.inner_step={mem.inner_step!r}: {e}") from None

@@ -280,7 +280,7 @@ class NeuralMemoryMixer(MemoryMixer):
         super().__init__(cfg, output=output, rngs=rngs)
         mem = cfg.memory
         self.options = dict(residual=mem.residual, activation=mem.activation, objective=mem.objective,
-                            optimizer=mem.optimizer, minibatch=mem.minibatch)
+                            optimizer=mem.optimizer, minibatch=mem.minibatch, inner_step=mem.inner_step)
         self.max_lr = mem.max_lr
         h, d = self.num_heads, self.head_dim
         dims = [d] + [mem.expansion * d] * (mem.depth - 1) + [d]
@@ -340,6 +340,7 @@ class TTTMixer(MemoryMixer):
         """Create the shared parameters (after the subclass's initial weights, keeping RNG order)."""
         h, d = self.num_heads, self.head_dim
         self.minibatch, self.base_lr = cfg.memory.minibatch, cfg.memory.base_lr
+        self.inner_step = cfg.memory.get("inner_step")  # TTT-MLP's (TTT-Linear has no such key)
         self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
         self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
         self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
@@ -413,8 +414,8 @@ class TTTMLPMixer(TTTMixer):
         (eta,) = gates
         ln = self._ln()
         if state is None:
-            return ttt_mlp(q, k, v, eta, **self._init_weights(), **ln)
+            return ttt_mlp(q, k, v, eta, **self._init_weights(), **ln, inner_step=self.inner_step)
         if q.shape[1] == 1:
-            o, state = ttt_mlp_step(q[:, 0], k[:, 0], v[:, 0], eta[:, 0], state, **ln)
+            o, state = ttt_mlp_step(q[:, 0], k[:, 0], v[:, 0], eta[:, 0], state, **ln, inner_step=self.inner_step)
             return o[:, None], state
-        return ttt_mlp(q, k, v, eta, initial_state=state, **ln)
+        return ttt_mlp(q, k, v, eta, initial_state=state, **ln, inner_step=self.inner_step)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nlearn.layers.memory_mixer import (DeltaNetMixer, LinearAttentionMixer, NeuralMemoryMixer, TTTLinearMixer,
                                         TTTMLPMixer)
-from nlearn.memory_config import validate_neural_memory
+from nlearn.memory_config import validate_inner_step, validate_neural_memory
 from nlearn.models import register
 
 
@@ -18,4 +18,4 @@ register("deltanet", _mixer(DeltaNetMixer))
 register("gated_deltanet", _mixer(DeltaNetMixer, gated=True))
 register("titans_lmm", _mixer(NeuralMemoryMixer), validate_neural_memory)
 register("ttt_linear", _mixer(TTTLinearMixer))
-register("ttt_mlp", _mixer(TTTMLPMixer))
+register("ttt_mlp", _mixer(TTTMLPMixer), lambda config: validate_inner_step(config.model.memory))
