@@ -26,9 +26,10 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c = linear_memory()
     del c.normalize
     c.optimizer = "momentum"  # inner optimizer: see nlearn.memory.inner_optimizers.INNER_OPTIMIZERS
-    # The step's form: "paper" (Titans' summed mini-batch gradient and momentum) or "bounded" (averaged,
-    # momentum as an EMA, normalised per layer; see nlearn.memory.neural_memory), or its parts joined by "+".
-    c.inner_step = "paper"
+    # The step's form: "bounded" (the mini-batch's gradient averaged, momentum as an EMA, each layer's step
+    # normalised by 1 + |x|^2 of its input; see nlearn.memory.neural_memory) or "paper" (Titans' summed
+    # mini-batch gradient and momentum, which diverge with aligned keys and momentum near 1: docs/paper_notes.md).
+    c.inner_step = "bounded"
     c.objective = "l2"  # inner objective: see nlearn.memory.objectives.OBJECTIVES
     c.minibatch = 16  # tokens whose gradients share the mini-batch start state (1 = fully online)
     c.depth = 2  # MLP layers of the memory (1 = matrix memory)
@@ -40,13 +41,13 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     # alpha at initialisation (the gate's bias is logit(decay_init)): sigmoid(-4) ~ 0.018 forgets
     # all but e^-3.6 ~ 3% of a write within 200 tokens until the gate learns otherwise.
     c.decay_init = DECAY_INIT
-    # eta = max_lr * sigmoid(x W_eta). The mini-batch sums b gradients, so the step on the inner loss is
-    # ~ max_lr * b * |h|^2; 0.1 with b = 16 diverged (inf) with momentum near 1, 0.01 stays stable at
-    # depth 2, and each extra hidden layer compounds the growth (depth 3 at 0.01 overflowed within a
-    # sequence after 20 outer steps). Unless set, max_lr follows the depth: 0.04 / depth^2
-    # (depth 1: 0.04, 2: 0.01, 3: 0.0044); an explicit value always wins.
+    # eta = max_lr * sigmoid(x W_eta). With the bounded step a write moves the last layer's output toward its
+    # target by less than eta of the error, so eta <= 1 never overshoots there; an earlier layer's curvature also
+    # carries the later layers' weights, and streaming aligned keys at eta = 1 grew a depth-2 memory's first layer
+    # without bound one token at a time (tests/memory/saturated_stream.py) where 0.25 stayed put. Unless set,
+    # max_lr = 1 / depth^2 (depth 1: 1, 2: 0.25, 3: 0.11); an explicit value always wins.
     depth = c.get_ref("depth").to_float()
-    c.max_lr = 0.04 / (depth * depth)
+    c.max_lr = 1.0 / (depth * depth)
     c.update(overrides)
     return c
 
