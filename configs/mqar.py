@@ -71,7 +71,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # |h|^2 ~ 0.1) and seeds 0 / 1 / 2 reached 11.2 / 12.5 / 18.8% at step 1000; with 1.0 / 0.9, 5-8% per write
     # and 97.0 / 97.6 / 80.7% (median 97.0%; one core each, 1000 steps). results/history.md, 2026-12-02.
     "self_ref_titans": {"memory.lr_max": 1.0, "memory.lr_init": 0.9, "memory.retain_init": 0.999,
-                        "memory.targets": "initial", "memory.dgd_output": True, "memory.inner_step": "normalized",
+                        "memory.targets": "initial", "memory.dgd_output": True,
                         "memory.read_residual": False},
     # Hope-Attention (causal attention, then the CMS levels learning in context): Hope's own mixer is the
     # self-referential op above, whose MQAR runs became nan; the CMS is what this row adds.

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nlearn.memory.neural_memory import neural_memory
+from nlearn.memory.self_referential import memory_names, self_referential_titans
 
 D, HIDDEN = 8, 32  # head dim and the depth-2 memory's hidden width (expansion 4)
 MOMENTUM_MAX = 0.99  # the momentum gate at its maximum (a sigmoid gate that reached 4.6)
@@ -81,6 +82,45 @@ def titans_norms(depth: int, minibatch: int, inner_step: str, max_lr: float, *, 
     gate = np.ones((1, t_len, 1), np.float32)
     run = _titans_runner(depth, minibatch, inner_step, t_len)
     return np.asarray(run(q, k, v, max_lr * gate, momentum * gate, titans_weights(depth, seed)))
+
+
+SATURATED_BIAS = 10.0  # lr and retain biases: sigmoid(10) ~ 1, so lr_t ~ lr_max and retain_t ~ 1 (no forgetting)
+
+
+def selfref_weights(seed: int = 0, d: int = D, hidden: int = D, out_scale: float = 3.0):
+    """The layer's initial weights (W_in ~ N(0, 1/D), W_out ~ N(0, 0.02²)) with W_out at `out_scale` x its init."""
+    rng = np.random.default_rng(seed + 200)
+    return {name: ((rng.normal(size=(1, d, hidden)) / np.sqrt(d)).astype(np.float32),
+                   (out_scale * 0.02 * rng.normal(size=(1, hidden, 1 if name in ("lr", "retain") else d)))
+                   .astype(np.float32)) for name in memory_names()}
+
+
+@functools.cache
+def _selfref_runner(options: tuple, t_len: int):
+    piece = t_len // PIECES
+    opts = dict(options)
+
+    def run(x, w0):
+        bias = jnp.full((1,), SATURATED_BIAS)
+
+        def body(weights, xp):
+            _, weights = self_referential_titans(xp, xp, weights0=w0, initial_state=weights, lr_bias=bias,
+                                                 retain_bias=bias, **opts)
+            norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(w))) for pair in weights.values() for w in pair])
+            return weights, norms
+
+        state0 = {n: tuple(jnp.broadcast_to(w, (1,) + w.shape) for w in pair) for n, pair in w0.items()}
+        split = jnp.moveaxis(x.reshape((1, PIECES, piece) + x.shape[2:]), 1, 0)
+        return jax.lax.scan(body, state0, split)[1]  # [PIECES, 2 x memories]
+
+    return jax.jit(run)
+
+
+def selfref_norms(*, t_len: int = 16384, seed: int = 0, **options):
+    """Frobenius norms of every memory's W_in and W_out after each piece, `[PIECES, 2 x memories]`, streaming
+    aligned inputs (x = q) with lr_t ~ lr_max and retain_t ~ 1; `options` go to `self_referential_titans`."""
+    x = stream_inputs(seed, t_len)[1]
+    return np.asarray(_selfref_runner(tuple(sorted(options.items())), t_len)(x, selfref_weights(seed)))
 
 
 def summary(norms) -> str:

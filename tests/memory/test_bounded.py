@@ -1,9 +1,11 @@
 """The memories' defaults stay bounded: 16K tokens with every gate saturated (largest learning rate, momentum
 gate at its maximum, no forgetting, keys with mean cosine >= 0.5) keep the fast weights within a stated bound.
 
-The bound: each layer's Frobenius norm stays below BOUND times its initial norm at every piece of the stream.
-The paper's steps (`inner_step="paper"` with the old max_lr 0.04 / depth^2) fail every one of these: their
-weights reach 3e7 (depth 1, one token at a time) or overflow (the others); see docs/paper_notes.md.
+The bound: each fast-weight matrix's Frobenius norm stays below BOUND times its initial norm (Titans; the
+largest initial norm of the self-referential memories, whose output layers start at 0.02-scale weights) at
+every piece of the stream. The old defaults fail every one of these: Titans' paper steps (max_lr 0.04 / depth^2)
+reach 1e7x (depth 1, one token at a time) or overflow (the others); the self-referential op with HOPE.md's
+plain steps overflows; see docs/paper_notes.md.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import numpy as np
 import pytest
 
 from nlearn.memory_config import neural_memory_config
-from saturated_stream import mean_cosine, stream_inputs, titans_norms, titans_weights
+from nlearn.models.self_referential import memory_config as self_ref_config
+from saturated_stream import (mean_cosine, selfref_norms, selfref_weights, stream_inputs, titans_norms,
+                              titans_weights)
 
 BOUND = 4.0
 
@@ -29,3 +33,15 @@ def test_titans_default_stays_bounded(depth, minibatch):
     init = np.array([np.linalg.norm(w) for w in titans_weights(depth)])
     assert np.all(np.isfinite(norms)), f"{cfg.inner_step} overflowed"
     assert np.all(norms <= BOUND * init), f"{cfg.inner_step}: max norm per layer {norms.max(0)}, init {init}"
+
+
+def test_self_referential_default_stays_bounded():
+    """The self-referential op with the language-model default, lr_t ~ lr_max and retain_t ~ 1, from initial
+    weights whose output layers are at 3x the layer's init (the issue's failing case)."""
+    cfg = self_ref_config()
+    norms = selfref_norms(lr_max=cfg.lr_max, inner_step=cfg.inner_step, targets=cfg.targets, dgd=cfg.dgd,
+                          dgd_output=cfg.dgd_output, chunk_memory=cfg.chunk_memory, chunk_other=cfg.chunk_other)
+    init = max(np.linalg.norm(w) for pair in selfref_weights().values() for w in pair)
+    assert np.all(np.isfinite(norms)), f"inner_step={cfg.inner_step} overflowed"
+    assert norms.max() <= BOUND * init, f"max norm {norms.max()}, largest initial norm {init}"
+
