@@ -142,6 +142,7 @@ MIGRATIONS = (
     ("model.remat_policy", "full", None),
     ("model.scan_layers", False, None),
     ("logging.fast_weights", False, None),
+    ("model.cms.decay", (0.0,), lambda c: c.model.family == "hope"),  # Hope's CMS before its retention
     ("data.mqar.query_start", 0, None),
     ("data.mqar.random_filler", False, None),
     ("data.mqar.curriculum", "", None),
