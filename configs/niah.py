@@ -44,15 +44,13 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # ~4x: 10-45% at 16x over six seeds with a floor beta >= 0.5 instead, 20-25% with the hard gate alone
     # (results/history.md, 2026-12-03 to 2026-12-06).
     "deltanet": {"memory.beta_gate": "hard_sigmoid", "memory.beta_min": 0.0, "memory.gate_conv": True, "num_heads": 8},
-    "titans_lmm": {"memory.depth": 1, "memory.max_lr": 0.2},
-    "titans_mac": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.decay_init": 1e-3},
-    # minibatch 1: a mini-batch takes all its gradients at its start state, so b keys that point alike add up
-    # to one step of ~2·b·lr (x 1/(1 - mu) with momentum), far past the stable 2 at lr 0.2 and b = 16. With
-    # b = 16, titans_mag's second memory grew ~9x per mini-batch (|theta| 1.5e30 at token 512, hidden by the
-    # output RMSNorm) and overflowed at token ~670: nan logits past 1x (results/history.md, 2026-12-02).
-    # One token at a time the step is 2·lr <= 0.4, stable for any momentum; it costs ~20% more per step.
-    "titans_mag": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
-    "titans_mal": {"memory.depth": 1, "memory.max_lr": 0.2, "memory.minibatch": 1},
+    # Depth 1 for speed. With the paper's summed step (memory.inner_step=paper, max_lr 0.2) titans_mag's memory
+    # overflowed at 16-token mini-batches (~9x growth per mini-batch, results/history.md, 2026-12-02) and MAG / MAL
+    # wrote one token at a time; the bounded default step needs neither that nor a max_lr (not yet re-measured).
+    "titans_lmm": {"memory.depth": 1},
+    "titans_mac": {"memory.depth": 1, "memory.decay_init": 1e-3},
+    "titans_mag": {"memory.depth": 1},
+    "titans_mal": {"memory.depth": 1},
 }
 # deltanet's schedule: from step 3000 (mid-cosine, the task learnt) an L1 cost on its write strengths
 # (train.write_penalty, 0.2 x each layer's mean), so the memory learns to skip what the answer never needs, the

@@ -73,7 +73,8 @@ def test_family_overrides_apply(presets):
         for key, value in overrides.items():
             assert lookup(c.model, key) == value, (family, key)
     lmm = presets.get_config("titans_lmm")
-    assert lmm.model.memory.depth == 1 and lmm.model.memory.max_lr == pytest.approx(0.2)
+    # depth 1 and the depth-1 default max_lr under the bounded step (no per-benchmark learning-rate bound)
+    assert lmm.model.memory.depth == 1 and lmm.model.memory.max_lr == pytest.approx(1.0)
 
 
 def test_unknown_family_names_the_valid_ones(presets):
