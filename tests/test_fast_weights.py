@@ -1,4 +1,4 @@
-"""The fast-weight norm an evaluation reports: which cache leaves count, and no overflow in the norm."""
+"""Overflow-safe norms and the fast-weight norm an evaluation reports: which cache leaves count, no overflow."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,3 +20,17 @@ def test_norm_of_a_huge_state_is_finite_and_nan_is_reported():
     x = jnp.full((1, 2, 3, 4), 1e20, jnp.float32)  # squares overflow float32
     np.testing.assert_allclose(np.asarray(frobenius(x)), np.full((1, 2), 1e20 * np.sqrt(12)), rtol=1e-6)
     assert np.isnan(float(max_fast_weight_norm({"state": x.at[0, 0, 0, 0].set(jnp.inf)})))
+
+
+def test_overflow_safe_rmsnorm():
+    """The memories' output norm: the plain RMSNorm's values on ordinary rows, and rows of 1e20 (whose squares
+    overflow float32, where the plain norm returns zeros) normalised as well."""
+    from flax import nnx
+
+    from nlearn.layers.core import RMSNorm
+
+    safe, plain = (RMSNorm(8, overflow_safe=s, rngs=nnx.Rngs(0)) for s in (True, False))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(safe(x)), np.asarray(plain(x)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(safe(x * 1e20)), np.asarray(plain(x)), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(plain(x * 1e20)) == 0)  # what the plain norm makes of them
