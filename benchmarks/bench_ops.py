@@ -137,8 +137,9 @@ CASES: list[Case] = [
 ]
 
 
-def _neural_memory_case(depth: int, mb: int, hidden: int | None = None) -> Case:
-    """Titans LMM: momentum and decay gates, l2 objective, gelu, hidden width 4·D (depth >= 2) unless given."""
+def _neural_memory_case(depth: int, mb: int, hidden: int | None = None, inner_step: str = "paper") -> Case:
+    """Titans LMM: momentum and decay gates, l2 objective, gelu, hidden width 4·D (depth >= 2) unless given;
+    the paper's step or the bounded one (the layers' default: `memory.inner_step`)."""
 
     def make(rng, b, t, h, d):
         dims = [d] + [hidden or 4 * d] * (depth - 1) + [d]
@@ -148,7 +149,7 @@ def _neural_memory_case(depth: int, mb: int, hidden: int | None = None) -> Case:
 
     def call(q, k, v, lr, mu, alpha, *ws, impl=None):
         return neural_memory(q, k, v, lr=lr, momentum=mu, decay=alpha, weights0=tuple(ws), minibatch=mb,
-                             **({"impl": impl} if impl else {}))[0]
+                             inner_step=inner_step, **({"impl": impl} if impl else {}))[0]
 
     def flops(t, h, d):
         dims = [d] + [hidden or 4 * d] * (depth - 1) + [d]
@@ -156,11 +157,13 @@ def _neural_memory_case(depth: int, mb: int, hidden: int | None = None) -> Case:
         per_token = sum(10 * i * o + 2 * mb * (i + o) for i, o in pairs) + sum(2 * i * o for i, o in pairs[1:])
         return h * t * per_token
 
-    name = f"neural_memory_L{depth}_b{mb}" + (f"_h{hidden}" if hidden else "")
+    name = f"neural_memory_L{depth}_b{mb}" + (f"_h{hidden}" if hidden else "") + (
+        "" if inner_step == "paper" else f"_{inner_step}")
     return Case(name, make, call, flops, recurrent_max_len=1024)
 
 
 CASES += [_neural_memory_case(depth, mb) for depth in (1, 2, 3) for mb in (1, 16, 64)]
+CASES += [_neural_memory_case(depth, mb, inner_step="bounded") for depth in (1, 2) for mb in (1, 16)]
 
 # Self-referential Titans: five 2-layer memories (hidden SR_HIDDEN, gelu) generating k, v, lr, retain
 # and the read, DGD on, self-generated targets, read after write; memory chunk 16, others 64. Its

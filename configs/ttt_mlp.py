@@ -21,4 +21,4 @@ PRESETS = {
 
 def get_config(preset: str = "tiny"):
     return family_config("ttt_mlp", PRESETS, preset,
-                         memory=linear_memory(minibatch=16, base_lr=0.1, expansion=4))
+                         memory=linear_memory(minibatch=16, base_lr=0.1, expansion=4, inner_step="paper"))

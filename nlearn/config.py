@@ -117,6 +117,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.logging.wandb_project = "nlearn"
     c.logging.progress = True
     c.logging.plot = True
+    # Evaluations also report the memories' largest fast-weight norm over the first eval sequences (one more
+    # compiled program: the model's decode path), so a memory that blows up shows before its loss turns nan.
+    c.logging.fast_weights = False
 
     c.eval = ml_collections.ConfigDict()
     c.eval.max_batches = 0  # 0: all of data.eval_tokens
@@ -139,6 +142,8 @@ MIGRATIONS = (
     ("train.time_budget_s", 0.0, None),
     ("model.remat_policy", "full", None),
     ("model.scan_layers", False, None),
+    ("logging.fast_weights", False, None),
+    ("model.cms.decay", (0.0,), lambda c: c.model.family == "hope"),  # Hope's CMS before its retention
     ("data.mqar.query_start", 0, None),
     ("data.mqar.random_filler", False, None),
     ("data.mqar.curriculum", "", None),

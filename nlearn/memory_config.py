@@ -26,6 +26,10 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c = linear_memory()
     del c.normalize
     c.optimizer = "momentum"  # inner optimizer: see nlearn.memory.inner_optimizers.INNER_OPTIMIZERS
+    # The step's form: "bounded" (the mini-batch's gradient averaged, momentum as an EMA, each layer's step
+    # normalised by 1 + |x|^2 of its input; see nlearn.memory.neural_memory) or "paper" (Titans' summed
+    # mini-batch gradient and momentum, which diverge with aligned keys and momentum near 1: docs/paper_notes.md).
+    c.inner_step = "bounded"
     c.objective = "l2"  # inner objective: see nlearn.memory.objectives.OBJECTIVES
     c.minibatch = 16  # tokens whose gradients share the mini-batch start state (1 = fully online)
     c.depth = 2  # MLP layers of the memory (1 = matrix memory)
@@ -36,11 +40,16 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c.decay = True  # learned forgetting gate alpha
     # alpha at initialisation (the gate's bias is logit(decay_init)): keeps ~3% of a write 200 tokens on.
     c.decay_init = DECAY_INIT
-    # eta = max_lr * sigmoid(x W_eta); the inner step grows like max_lr * b * |h|^2 and with depth: 0.04 / depth^2.
+    # eta = max_lr * sigmoid(x W_eta); with the bounded step, 1 / depth^2 keeps streamed aligned keys bounded
+    # (docs/paper_notes.md); an explicit value always wins.
     depth = c.get_ref("depth").to_float()
-    c.max_lr = 0.04 / (depth * depth)
+    c.max_lr = 1.0 / (depth * depth)
     c.update(overrides)
     return c
+
+
+# The migration of a neural memory saved before `memory.inner_step` existed: it trained with the paper's step.
+PAPER_STEP = ("model.memory.inner_step", "paper")
 
 
 def validate_neural_memory(config) -> None:
@@ -55,6 +64,7 @@ def validate_neural_memory(config) -> None:
         if mem[key] not in valid:
             raise UserError(f"invalid config value model.memory.{key}={mem[key]!r}: valid choices: "
                             f"{', '.join(sorted(valid))}")
+    validate_inner_step(mem)
     for key in ("minibatch", "depth", "expansion"):
         if mem[key] <= 0:
             raise UserError(f"invalid config value model.memory.{key}={mem[key]}: must be > 0")
@@ -63,3 +73,14 @@ def validate_neural_memory(config) -> None:
     decay_init = mem.decay_init
     if not 0.0 < decay_init < 1.0:
         raise UserError(f"invalid config value model.memory.decay_init={decay_init}: must be in (0, 1)")
+
+
+def validate_inner_step(mem) -> None:
+    """Refuse an unknown `memory.inner_step` of a neural memory (Titans, TTT-MLP) with the valid forms."""
+    from nlearn.errors import UserError
+    from nlearn.memory.neural_memory import step_parts
+
+    try:
+        step_parts(mem.inner_step)
+    except ValueError as e:
+        raise UserError(f"invalid config value model.memory.inner_step={mem.inner_step!r}: {e}") from None

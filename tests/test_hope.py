@@ -28,7 +28,7 @@ def small(mixer="attention", **cms):
     with config.unlocked():
         config.data.vocab_size = VOCAB
         config.model.update(dict(d_model=32, num_layers=2, num_heads=2))
-        config.model.cms.update(dict(periods=(C, 2 * C), lr=(0.5, 0.3)), **cms)
+        config.model.cms.update(dict(periods=(C, 2 * C), lr=(0.5, 0.3), decay=(0.1, 0.2)), **cms)
         config.model.hope.mixer = mixer
     return config
 
@@ -74,9 +74,9 @@ def sequential_reference(model, tokens):
         pos = start + x.shape[1]
         delta, gsum = [list(d) for d in delta], [list(s) for s in jax.tree.map(jnp.add, gsum, grads)]
         for i, block in enumerate(model.blocks):
-            for j, (period, lr) in enumerate(zip(block.cms.periods, block.cms.lrs)):
-                if pos % period == 0:
-                    delta[i][j] = jax.tree.map(lambda d, s: d - lr * s, delta[i][j], gsum[i][j])
+            for j, (period, lr, decay) in enumerate(zip(block.cms.periods, block.cms.lrs, block.cms.decays)):
+                if pos % period == 0:  # Δ ← (1 − decay) Δ − lr Σ∇: the retention toward θ_ℓ,0
+                    delta[i][j] = jax.tree.map(lambda d, s: (1.0 - decay) * d - lr * s, delta[i][j], gsum[i][j])
                     gsum[i][j] = jax.tree.map(jnp.zeros_like, gsum[i][j])
     return used, jnp.concatenate(logits, axis=1)
 
@@ -172,6 +172,8 @@ def test_updates_change_the_logits_and_none_is_static(model, tokens):
     ("widths", (8, 0), "model.cms.widths"),
     ("order", "sideways", "model.cms.order"),
     ("update", "sgd", "model.cms.update"),
+    ("decay", (1.0,), "model.cms.decay"),
+    ("decay", (0.1, 0.1, 0.1), "model.cms.decay"),
 ])
 def test_bad_cms_values_are_refused_in_one_line(key, value, needle):
     config = small()

@@ -6,7 +6,7 @@ from nlearn.memory_config import neural_memory_config
 from run_helpers import load_family_config
 
 
-@pytest.mark.parametrize("depth, expected", [(1, 0.04), (2, 0.01), (3, 0.04 / 9)])
+@pytest.mark.parametrize("depth, expected", [(1, 1.0), (2, 0.25), (3, 1.0 / 9)])
 def test_max_lr_follows_depth(depth, expected):
     config = neural_memory_config()
     config.depth = depth  # as a --config.model.memory.depth override does

@@ -5,10 +5,12 @@ jnp, `jax.grad` of the memory's inner loss and a per-token memory update; it rea
 parameters out of the NNX module but calls none of its methods nor nlearn's ops. The layers must
 give the same outputs for every selectable variant, on a length that divides no segment or window.
 The memory here: an MLP of depth 2 (tanh GELU), l2 objective, momentum and forgetting gates,
-gradients taken at the start of each mini-batch of b tokens (absolute positions).
+gradients taken at the start of each mini-batch of b tokens (absolute positions), with the paper's step
+or the bounded one (η/b, momentum as an EMA, each layer's step over 1 + ‖x‖² of its input).
 """
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -91,11 +93,16 @@ def mlp(theta, x_BHd):
     return jnp.einsum("bhf,bhfo->bho", gelu(jnp.einsum("bhd,bhdf->bhf", x_BHd, w1)), w2)
 
 
-@jax.jit  # (compiled once: eager autodiff per token is slow)
-def write_read(theta, U, anchor, q, k, v, eta, mu, alpha):
+@partial(jax.jit, static_argnames=("bounded", "b"))  # (compiled once: eager autodiff per token is slow)
+def write_read(theta, U, anchor, q, k, v, eta, mu, alpha, bounded=False, b=1):
     """One token: the gradient of ½‖f(k) − v‖² at the mini-batch's start state, U_t = μ U − η g,
-    θ_t = (1 − α) θ + U_t, then the read f(q; θ_t)."""
+    θ_t = (1 − α) θ + U_t, then the read f(q; θ_t). Bounded: η (1 − μ) / b and layer i's gradient over
+    1 + ‖x_i‖², x_1 = k and x_2 = gelu(k W_1) at the start state."""
     grads = jax.grad(lambda th: 0.5 * jnp.sum((mlp(th, k) - v) ** 2))(anchor)
+    if bounded:
+        eta = eta * (1.0 - mu) / b
+        xs = (k, gelu(jnp.einsum("bhd,bhdf->bhf", k, anchor[0])))
+        grads = tuple(g / (1.0 + jnp.sum(x * x, -1))[..., None, None] for g, x in zip(grads, xs))
     U = tuple(mu * u - eta * g for u, g in zip(U, grads))
     theta = tuple((1.0 - alpha) * w + u for w, u in zip(theta, U))
     return theta, U, mlp(theta, q)
@@ -122,7 +129,8 @@ class Memory:
         alpha = sigmoid(dense(lmm.decay_gate, u_BD))[..., None, None]
         if self.t % mem.minibatch == 0:  # a mini-batch starts: its gradients are taken here
             self.anchor = self.theta
-        self.theta, self.U, read = write_read(self.theta, self.U, self.anchor, q, k, v, eta, mu, alpha)
+        self.theta, self.U, read = write_read(self.theta, self.U, self.anchor, q, k, v, eta, mu, alpha,
+                                              mem.inner_step == "bounded", mem.minibatch)
         self.t += 1
         o = rms(lmm.out_norm, read, self.cfg.norm_eps)  # [B, H, K]
         if lmm.o is None:
@@ -259,6 +267,7 @@ VARIANTS = [
     pytest.param("titans_mac", dict(mac_memory_input="x", mac_output="gate"), marks=slow),
     ("titans_mag", dict(mag_output="gate")), ("titans_mag", dict(mag_output="blend")),
     ("titans_mal", dict(mal_attn_input="m")), ("titans_mal", dict(mal_attn_input="x+m")),
+    ("titans_mag", dict(mag_output="gate", memory=dict(inner_step="paper"))),
 ]
 
 

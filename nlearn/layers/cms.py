@@ -45,15 +45,20 @@ def segment_apply(fn, z_BTD, delta_NB, period: int):
     return y.reshape(b, n * period, -1)[:, :t]
 
 
-def accumulate_and_update(delta: list, gsum: list, grads: list, *, lrs, periods, pos):
+def accumulate_and_update(delta: list, gsum: list, grads: list, *, lrs, periods, pos, decays=None):
     """One chunk's gradients in: `gsum += grads`; every level whose period divides `pos` (the
-    number of tokens seen, a chunk boundary) takes `Δ ← Δ − lr Σ∇` and restarts its sum.
-    `delta`, `gsum`, `grads`: lists over levels of `{kernel: [B, ...]}`. Returns `(delta, gsum)`."""
+    number of tokens seen, a chunk boundary) takes `Δ ← (1 − decay) Δ − lr Σ∇` and restarts its sum.
+    The decay is a retention toward the level's meta-learned θ_ℓ,0 (Δ = θ_ℓ − θ_ℓ,0): with it a gradient
+    that never lets up (norm G) holds ‖Δ‖ below lr·G / decay, where without it Δ grows by lr·G each
+    update. `delta`, `gsum`, `grads`: lists over levels of `{kernel: [B, ...]}`; `decays` one per level
+    (None: 0). Returns `(delta, gsum)`."""
     new_delta, new_gsum = [], []
-    for d, s, g, lr, period in zip(delta, gsum, grads, lrs, periods):
+    decays = (0.0,) * len(lrs) if decays is None else decays
+    for d, s, g, lr, period, decay in zip(delta, gsum, grads, lrs, periods, decays):
         s = jax.tree.map(jnp.add, s, g)
         boundary = (pos % period) == 0
-        new_delta.append(jax.tree.map(lambda x, y: jnp.where(boundary, x - lr * y, x), d, s))
+        keep = 1.0 - decay
+        new_delta.append(jax.tree.map(lambda x, y: jnp.where(boundary, keep * x - lr * y, x), d, s))
         new_gsum.append(jax.tree.map(lambda y: jnp.where(boundary, jnp.zeros_like(y), y), s))
     return new_delta, new_gsum
 
@@ -85,13 +90,17 @@ class CMSLevel(nnx.Module):
 
 class ContinuumMemory(nnx.Module):
     """K levels applied in `order` (fast_first: increasing period); `periods[i]`, `widths[i]`,
-    `lrs[i]` describe the level applied i-th."""
+    `lrs[i]`, `decays[i]` describe the level applied i-th (`decays`: one number for every level, or one per
+    level; the retention toward θ_ℓ,0 of `accumulate_and_update`)."""
 
     def __init__(self, d_model: int, *, periods, widths, lrs, order: str = "fast_first", eps: float,
-                 std: float, out_std: float, rngs: nnx.Rngs):
+                 std: float, out_std: float, rngs: nnx.Rngs, decays=0.0):
         idx = sorted(range(len(periods)), key=lambda i: periods[i], reverse=order == "slow_first")
         self.periods = tuple(int(periods[i]) for i in idx)
         self.lrs = tuple(float(lrs[i]) for i in idx)
+        decays = (decays,) if isinstance(decays, (int, float)) else tuple(decays)
+        decays = decays * len(periods) if len(decays) == 1 else decays
+        self.decays = tuple(float(decays[i]) for i in idx)
         self.levels = nnx.List([CMSLevel(d_model, int(widths[i]), eps=eps, std=std, out_std=out_std, rngs=rngs)
                                 for i in idx])
 

@@ -55,15 +55,27 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with a learned scale, computed in float32 and cast back to the input dtype."""
+    """RMSNorm with a learned scale, computed in float32 and cast back to the input dtype.
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, axes=("embed",), rngs: nnx.Rngs):
+    `overflow_safe`: each row is divided by its largest |x| before squaring (the same function up to
+    rounding), so a row of |x| past ~1.8e19, whose squares overflow float32, still normalises instead of
+    turning into zeros; the memories' output norms use it (a memory's read can be that large)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, axes=("embed",), overflow_safe: bool = False,
+                 rngs: nnx.Rngs):
         self.scale = param(rngs, (dim,), axes, init="ones")
         self.eps = eps
+        self.overflow_safe = overflow_safe
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.overflow_safe:
+            m = jax.lax.stop_gradient(jnp.max(jnp.abs(x32), axis=-1, keepdims=True))
+            m = jnp.where(m > 0, m, 1.0)
+            xs = x32 / m
+            y = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + self.eps / (m * m))
+        else:
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...]).astype(x.dtype)
 
 

@@ -57,7 +57,7 @@ class SelfReferentialMixer(nnx.Module):
                                  eager_sharding=False)
         self.retain_bias = nnx.Param(jnp.full((h,), logit(mem.retain_init), jnp.float32), out_sharding=("heads",),
                                      eager_sharding=False)
-        self.out_norm = RMSNorm(d, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
+        self.out_norm = RMSNorm(d, eps=cfg.norm_eps, axes=("kv",), overflow_safe=True, rngs=rngs)
         self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs)
         self.options = dict(lr_max=mem.lr_max, chunk_memory=mem.chunk_memory, chunk_other=mem.chunk_other,

@@ -37,6 +37,21 @@ DGD is only stable while η_t‖x_t‖² < 2 for every layer input (the precondi
 a_t − η_t‖x‖² must stay above −1): keys are unit-norm, but hidden activations of a deep memory are
 not, so deep DGD memories need a small η.
 
+Bounded steps (`inner_step`; "paper" is the steps above, "bounded" all three parts, or parts joined
+by "+"). The paper's steps are not bounded: a mini-batch sums b gradients taken at one state, so b
+keys that point alike make one step of ~b·η‖x‖²; momentum inside a mini-batch re-adds every stale
+gradient on each later token (~b²/2 steps' worth for μ → 1); and the curvature along a hidden
+layer's input h is ‖h‖², which nothing bounds. The parts, each a change of the step size only:
+    mean:        η_t/b, the mini-batch's gradient averaged instead of summed;
+    ema:         U_t = μ_t U_{t-1} − (1 − μ_t) η_t g_t (momentum as an exponential average: one
+                 gradient moves θ by at most η_t g_t over all later tokens; for dgd_momentum the
+                 preconditioner's η_t is scaled alike);
+    normalized:  per layer, token t's gradient (and DGD term) over 1 + ‖x_t‖², x_t that layer's
+                 input at the mini-batch start (the normalised-LMS step): the last layer's write then
+                 moves its output toward the target by a fraction η_t‖x‖²/(1 + ‖x‖²) < η_t.
+With all three, a mini-batch moves the last layer's output by less than max η of its error, so for
+η ≤ 1 no write can overshoot (docs/paper_notes.md).
+
 Two implementations with the same semantics:
 - impl="recurrent": per-token `jax.grad` of the inner loss inside `lax.scan`; any inner model or
   optimizer step; √T-token groups are rematerialised (~2√T states kept for the backward pass).
@@ -97,6 +112,22 @@ ACTIVATIONS: dict[str, Callable] = {
 
 IMPLS = ("chunked", "recurrent")
 
+# The parts of a bounded inner step (see `inner_step` in the module docstring); "paper" is none of them.
+STEP_PARTS = ("mean", "ema", "normalized")
+STEP_ALIASES = {"paper": (), "bounded": STEP_PARTS}
+
+
+def step_parts(inner_step: str) -> frozenset:
+    """The parts an `inner_step` name selects: "paper", "bounded" (all parts) or parts joined by "+"."""
+    if inner_step in STEP_ALIASES:
+        return frozenset(STEP_ALIASES[inner_step])
+    parts = inner_step.split("+")
+    bad = [p for p in parts if p not in STEP_PARTS]
+    if bad or len(set(parts)) != len(parts):
+        raise ValueError(f"unknown inner_step {inner_step!r}; valid: {sorted(STEP_ALIASES)} or parts of "
+                         f"{list(STEP_PARTS)} joined by '+'")
+    return frozenset(parts)
+
 
 class NeuralMemoryState(NamedTuple):
     """Streaming state: weights θ and momentum U (tuples of `[B, H, d_in, d_out]`), the state where
@@ -119,11 +150,17 @@ class _Spec:
     precision: object = HIGHEST
     bias: bool = False  # every weight's last input row is its bias (the layer sees [x, 1])
     norm: tuple | None = None  # (scale, shift) [H, Dv] of a LayerNorm on the last layer's output
+    step: frozenset = frozenset()  # the parts of the bounded step (`step_parts`)
+
+    @property
+    def normalized(self) -> bool:
+        return "normalized" in self.step
 
 
 def _make_spec(activation, residual, objective, optimizer, minibatch, *, precision=HIGHEST, bias=False,
-               layer_norm=None) -> _Spec:
+               layer_norm=None, inner_step: str = "paper") -> _Spec:
     check_positive("minibatch", minibatch)
+    parts = step_parts(inner_step)
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; valid activations: {sorted(ACTIVATIONS)}")
     if layer_norm is not None and (len(layer_norm) != 2 or layer_norm[0].shape != layer_norm[1].shape
@@ -131,7 +168,33 @@ def _make_spec(activation, residual, objective, optimizer, minibatch, *, precisi
         raise ValueError("layer_norm must be a pair (scale, shift) of [H, Dv] arrays")
     return _Spec(ACTIVATIONS[activation], bool(residual), get_objective(objective),
                  get_inner_optimizer(optimizer), minibatch, precision, bool(bias),
-                 None if layer_norm is None else tuple(layer_norm))
+                 None if layer_norm is None else tuple(layer_norm), parts)
+
+
+def _step_gates(spec: _Spec, eta, mu):
+    """The step size the optimizer sees: η/b with "mean" (the mini-batch's gradient averaged, not summed)
+    and (1 − μ)η with "ema" (momentum as an exponential average: one gradient moves θ by at most η in all)."""
+    if "mean" in spec.step and spec.minibatch > 1:
+        eta = eta / spec.minibatch
+    if "ema" in spec.step and mu is not None and spec.opt.momentum:
+        eta = eta * (1.0 - mu)
+    return eta
+
+
+def _input_scale(x):
+    """1 / (1 + ‖x‖²) per token of a layer input x [..., d] (the normalised-LMS step's divisor)."""
+    return 1.0 / (1.0 + jnp.sum(jnp.square(x), axis=-1))
+
+
+def _normalize_step(spec: _Spec, grads, inputs):
+    """With "normalized", each layer's gradient over 1 + ‖x‖² of its input x, and the inputs the DGD
+    preconditioner sees scaled to x / √(1 + ‖x‖²) (so its term η xᵀx W is divided alike)."""
+    if not spec.normalized:
+        return grads, inputs
+    scales = [_input_scale(x) for x in inputs]
+    grads = tuple(g * s[..., None, None] for g, s in zip(grads, scales))
+    inputs = [x * jnp.sqrt(s)[..., None] for x, s in zip(inputs, scales)]
+    return grads, inputs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,6 +321,7 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         return jnp.sum(spec.objective(pred, v)), inputs
 
     grads, inputs = jax.grad(inner_loss, has_aux=True)(theta_s)
+    grads, inputs = _normalize_step(spec, grads, inputs)
     theta, U = spec.opt.step(state.theta, state.U, grads, inputs, _gate4(eta), _gate4(mu), _gate4(a))
     o = _mlp(spec, theta, q)[0]
     new = NeuralMemoryState(theta, U, theta_s, (state.pos + 1) % spec.minibatch)
@@ -389,6 +453,10 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
         q_first = zz[..., c:, :]
         first_layer = zz[..., :c, :]
     inputs, zs, deltas = _key_side(spec, theta_s, k, v, first_layer if q_first is not None else None)
+    # "normalized": token j's step on layer i is over 1 + ‖x_ij‖² (its gradient and its DGD term).
+    scales = [_input_scale(x) for x in inputs] if spec.normalized else [None] * nl
+    if spec.normalized:
+        deltas = [d * s_[..., None] for d, s_ in zip(deltas, scales)]
 
     # Coefficients: θ_t = A_t θ_c + m_t U_c − Σ_j Cη_tj x_jᵀδ_j − Σ_j Dη_tj x_jᵀu_j.
     if a is None:
@@ -406,13 +474,16 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     else:
         cmat = dmat
     ceta = cmat * eta[..., None, :]
-    deta = dmat * eta[..., None, :] if opt.precondition else None
+    # The DGD term's coefficients, one per layer (they differ only with "normalized").
+    deta = [None] * nl
+    if opt.precondition:
+        deta = [dmat * (eta if s_ is None else eta * s_)[..., None, :] for s_ in scales]
     need_prev = opt.precondition or want_loss
     if need_prev:
         avec_p = _shift_vec(avec, 1.0)
         mvec_p = None if mvec is None else _shift_vec(mvec, 0.0)
         ceta_p = _shift_rows(ceta)
-        deta_p = None if deta is None else _shift_rows(deta)
+        deta_p = [None if d is None else _shift_rows(d) for d in deta]
 
     # DGD: u_t = x_t W_{t-1} solves (I + G ⊙ Dη_prev) u = A_prev x W_c + m_prev x U_c − (G ⊙ Cη_prev) δ.
     us = [None] * nl
@@ -426,7 +497,7 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
                 rhs = rhs + mvec_p[..., None] * mm(x, U_c[i])
             # (I + strictly lower)⁻¹ by block doubling: batched matmuls, no LAPACK call (whose
             # OpenBLAS threads fight XLA's on a small CPU) and no row-by-row solve.
-            us[i] = mm(unit_lower_inverse(gram * deta_p, prec), rhs)
+            us[i] = mm(unit_lower_inverse(gram * deta_p[i], prec), rhs)
 
     cat = [None] * nl
     if mvec is not None:
@@ -449,8 +520,8 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
             z = av[..., None] * yw - mm(gy * ce, deltas[i])
             if mv is not None:
                 z = z + mv[..., None] * (mm(y, U_c[i]) if yu is None else yu)
-            if de is not None:
-                z = z - mm(gy * de, us[i])
+            if de[i] is not None:
+                z = z - mm(gy * de[i], us[i])
             y = spec.act(z) if i < nl - 1 else z
         return _output(spec, y, y0)
 
@@ -467,8 +538,8 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     for i in range(nl):
         x = inputs[i]
         err = ceta[..., -1, :, None] * deltas[i]
-        if deta is not None:
-            err = err + deta[..., -1, :, None] * us[i]
+        if deta[i] is not None:
+            err = err + deta[i][..., -1, :, None] * us[i]
         if opt.momentum:
             pe = (pmat[..., -1, :] * eta)[..., :, None] * deltas[i]
             both = _outer_sum(x, jnp.concatenate([err, pe], axis=-1), prec)
@@ -529,7 +600,12 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
         q_t, k_t, v_t, eta_t, mu_t, a_t = x
         inputs, _, deltas = _key_side(spec, theta, k_t, v_t)
         # Outer products as dots (their backward is then a matvec, not a slow small reduction).
+        if spec.normalized:  # scale the errors (vectors) rather than the gradients (matrices)
+            scales = [_input_scale(x_) for x_ in inputs]
+            deltas = [d_ * s_[..., None] for d_, s_ in zip(deltas, scales)]
         grads = tuple(jnp.einsum("bhi,bho->bhio", x_, d_, precision=spec.precision) for x_, d_ in zip(inputs, deltas))
+        if spec.normalized and spec.opt.precondition:  # what the DGD preconditioner sees
+            inputs = [x_ * jnp.sqrt(s_)[..., None] for x_, s_ in zip(inputs, scales)]
         new_theta, new_U = spec.opt.step(theta, U, grads, inputs, _gate4(eta_t), _gate4(mu_t), _gate4(a_t))
         o_t = _mlp(spec, new_theta, q_t)[0]
         losses = None
@@ -664,7 +740,8 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
                   activation: str = "gelu", objective: str = "l2", optimizer: str = "momentum",
                   minibatch: int = 1, initial_state=None, impl: str = "chunked",
                   return_inner_loss: bool = False, return_stream_state: bool = False,
-                  bias: bool = False, layer_norm=None, remat_group: int | None = None, precision=HIGHEST):
+                  bias: bool = False, layer_norm=None, remat_group: int | None = None, precision=HIGHEST,
+                  inner_step: str = "paper"):
     """Run the neural memory over a sequence.
 
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; lr (η), momentum (μ), decay (α): [B, T, H].
@@ -678,6 +755,8 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
       (+ x with `residual`), ε = 1e-6; with `bias` and `residual` this is TTT-MLP's inner model.
     remat_group: mini-batches per rematerialised scan step of the chunked form (default: `SCAN_GROUP`
       once there are 16 such groups, else 1).
+    inner_step: "paper" (the steps above), "bounded" or parts of it joined by "+" (`STEP_PARTS`; see
+      the module docstring).
     precision: of every matmul (HIGHEST: float32 products on GPU/TPU too, whatever
       `jax.default_matmul_precision` says; the optimizers' per-token steps always use HIGHEST).
     Returns `(o [B, T, H, Dv], (θ, U))`; with `return_stream_state` the state is a
@@ -685,7 +764,7 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
     [B, T, H]: l_t at θ_{t-1} and at θ_t (the state just before and just after token t's write).
     """
     spec = _make_spec(activation, residual, objective, optimizer, minibatch, precision=precision, bias=bias,
-                      layer_norm=layer_norm)
+                      layer_norm=layer_norm, inner_step=inner_step)
     if remat_group is not None:
         check_positive("remat_group", remat_group)
     if impl not in IMPLS:
@@ -720,6 +799,7 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
     eta = lr.astype(dt)
     mu = None if momentum is None else momentum.astype(dt)
     a = None if decay is None else (1.0 - decay).astype(dt)
+    eta = _step_gates(spec, eta, mu)
 
     if t_len == 0:
         o = jnp.zeros((bsz, 0, heads, dv), dt)
@@ -742,19 +822,20 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
 def neural_memory_step(q, k, v, *, lr, momentum=None, decay=None, state: NeuralMemoryState,
                        residual: bool = False, activation: str = "gelu", objective: str = "l2",
                        optimizer: str = "momentum", minibatch: int = 1, return_inner_loss: bool = False,
-                       bias: bool = False, layer_norm=None, precision=HIGHEST):
+                       bias: bool = False, layer_norm=None, precision=HIGHEST, inner_step: str = "paper"):
     """Decode one token: q, k [B, H, Dk], v [B, H, Dv], gates [B, H]; `state` from `init_state` or
     `neural_memory(..., return_stream_state=True)`. Returns `(o [B, H, Dv], state)` (plus
     `(loss_before, loss_after)` [B, H] with `return_inner_loss`); steps equal the full sequence."""
     spec = _make_spec(activation, residual, objective, optimizer, minibatch, precision=precision, bias=bias,
-                      layer_norm=layer_norm)
+                      layer_norm=layer_norm, inner_step=inner_step)
     if momentum is not None and not spec.opt.momentum:
         raise ValueError(f"optimizer {spec.opt.name!r} takes no momentum gate")
     _check_pos(state.pos, spec.minibatch)
     out_dtype, dt = q.dtype, jnp.promote_types(q.dtype, jnp.float32)
     q, k, v = (x.astype(dt) for x in (q, k, v))
     spec = _in_dtype(spec, dt)
-    eta, mu, a = _default_gates(spec, lr.astype(dt), None if momentum is None else momentum.astype(dt),
+    mu = None if momentum is None else momentum.astype(dt)
+    eta, mu, a = _default_gates(spec, _step_gates(spec, lr.astype(dt), mu), mu,
                                 None if decay is None else (1.0 - decay).astype(dt))
     cast = lambda ws: tuple(w.astype(dt) for w in ws)  # noqa: E731
     st = NeuralMemoryState(cast(state.theta), cast(state.U), cast(state.theta_start),

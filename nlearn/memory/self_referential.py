@@ -69,6 +69,10 @@ TARGETS = ("chunk", "initial")
 INNER_STEPS = ("plain", "normalized")
 IMPLS = ("chunked", "recurrent")
 L2_EPS = 1e-6
+# The one bound on lr_max: lr_t = lr_max · retain_t · sigmoid(·) ≤ lr_max · retain_t, and the keys are unit
+# vectors, so DGD's factor retain_t − lr_t‖k‖² ≥ retain_t (1 − lr_max) stays ≥ 0 (no write flips the memory
+# along k) exactly while lr_max ≤ 1.
+LR_MAX_BOUND = 1.0
 
 
 class SelfRefTitansState(NamedTuple):
@@ -121,8 +125,9 @@ def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, 
         raise ValueError(f"unknown targets {targets!r}; valid targets: {list(TARGETS)}")
     if inner_step not in INNER_STEPS:
         raise ValueError(f"unknown inner_step {inner_step!r}; valid inner steps: {list(INNER_STEPS)}")
-    if isinstance(lr_max, (int, float)) and not lr_max > 0:
-        raise ValueError(f"lr_max must be positive, got {lr_max!r}")
+    if isinstance(lr_max, (int, float)) and not 0 < lr_max <= LR_MAX_BOUND:
+        raise ValueError(f"lr_max must be in (0, {LR_MAX_BOUND:g}] (above it DGD's factor retain - lr |k|^2 can turn "
+                         f"negative), got {lr_max!r}")
     return _Spec(ACTIVATIONS[activation], memory_names(adaptive_q), chunk_memory, chunk_other, lr_max, bool(dgd),
                  bool(dgd_output), read, bool(self_targets), targets, inner_step, bool(adaptive_q), precision)
 

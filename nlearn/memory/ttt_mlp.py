@@ -71,10 +71,11 @@ def _from_stream(st: NeuralMemoryState) -> TTTMLPState:
     return TTTMLPState(_from_theta(st.theta), _from_theta(start), st.pos)
 
 
-def _options(minibatch: int, ln_scale, ln_bias, precision) -> dict:
+def _options(minibatch: int, ln_scale, ln_bias, precision, inner_step) -> dict:
     """The neural-memory settings that make it TTT-MLP."""
     return dict(optimizer="sgd", objective="l2", activation="gelu", residual=True, bias=True, minibatch=minibatch,
-                layer_norm=(ln_scale.astype(jnp.float32), ln_bias.astype(jnp.float32)), precision=precision)
+                layer_norm=(ln_scale.astype(jnp.float32), ln_bias.astype(jnp.float32)), precision=precision,
+                inner_step=inner_step)
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,7 +123,8 @@ def _check_state(state, bsz: int, h: int, d: int) -> TTTMLPState:
 
 
 def ttt_mlp(q, k, v, eta, *, W1_0=None, b1_0=None, W2_0=None, b2_0=None, ln_scale, ln_bias, minibatch: int = 16,
-            initial_state: TTTMLPState | None = None, impl: str = "dual", remat_group: int = 4, precision=HIGHEST):
+            initial_state: TTTMLPState | None = None, impl: str = "dual", remat_group: int = 4, precision=HIGHEST,
+            inner_step: str = "paper"):
     """TTT-MLP with mini-batch gradient descent, read after each token's own prefix of updates.
 
     Args:
@@ -136,12 +138,13 @@ def ttt_mlp(q, k, v, eta, *, W1_0=None, b1_0=None, W2_0=None, b2_0=None, ln_scal
       impl: "dual" (the memory's chunked dual form) or "recurrent" (token by token, `jax.grad`).
       remat_group: mini-batches per rematerialized scan step of the dual form.
       precision: of every matmul (HIGHEST: float32 products on any backend).
+      inner_step: "paper" (the sum above) or a bounded step (`neural_memory`'s `inner_step`).
 
     Returns: `(o [B,T,H,D] in q's dtype, TTTMLPState)` with a float32 state.
     """
     bsz, _t, h, d = check_ttt_args("ttt_mlp", q, k, v, eta, minibatch=minibatch, remat_group=remat_group, impl=impl,
                                    impls=TTT_MLP_IMPLS, ln_scale=ln_scale, ln_bias=ln_bias)
-    opts = _options(minibatch, ln_scale, ln_bias, precision)
+    opts = _options(minibatch, ln_scale, ln_bias, precision, inner_step)
     run = dict(lr=eta, impl=_MEMORY_IMPL[impl], remat_group=remat_group, return_stream_state=True, **opts)
     if initial_state is None:
         missing = [n for n, x in zip(TTTMLPWeights._fields, (W1_0, b1_0, W2_0, b2_0)) if x is None]
@@ -159,7 +162,7 @@ def ttt_mlp(q, k, v, eta, *, W1_0=None, b1_0=None, W2_0=None, b2_0=None, ln_scal
 
 
 def ttt_mlp_step(q_t, k_t, v_t, eta_t, state: TTTMLPState, *, ln_scale, ln_bias, minibatch: int = 16,
-                 precision=HIGHEST):
+                 precision=HIGHEST, inner_step: str = "paper"):
     """One decode step: `[B,H,D]` rows, `eta_t [B,H]` -> `(o_t [B,H,D], TTTMLPState)`.
 
     Keeps the mini-batch schedule (gradients at `state.start`, reads with the accumulated prefix),
@@ -168,5 +171,5 @@ def ttt_mlp_step(q_t, k_t, v_t, eta_t, state: TTTMLPState, *, ln_scale, ln_bias,
     check_ttt_step_args(q_t, k_t, v_t, eta_t, minibatch=minibatch, ln_scale=ln_scale, ln_bias=ln_bias)
     state = _check_state(state, *k_t.shape)
     o, st = neural_memory_step(q_t, k_t, v_t, lr=eta_t, state=_to_stream(state),
-                               **_options(minibatch, ln_scale, ln_bias, precision))
+                               **_options(minibatch, ln_scale, ln_bias, precision, inner_step))
     return o, _from_stream(st)

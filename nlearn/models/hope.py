@@ -42,7 +42,11 @@ def cms_config(**overrides) -> ml_collections.ConfigDict:
     """The `model.cms` section (docs/self_referential.md §2); one entry per level in `periods`, `lr`, `widths`."""
     c = ml_collections.ConfigDict()
     c.periods = (16, 64, 256)  # tokens between updates of each level (each a multiple of the smallest)
-    c.lr = (1e-3, 1e-3, 1e-3)  # Δ ← Δ − lr Σ∇ℓ_NTP over the level's last period (summed, not averaged)
+    c.lr = (1e-3, 1e-3, 1e-3)  # Δ ← (1 − decay) Δ − lr Σ∇ℓ_NTP over the level's last period (summed, not averaged)
+    # Retention toward the meta-learned θ_ℓ,0 at each update, one per level (or one for all): a gradient that
+    # never lets up then holds |Δ| below lr |∇| / decay (HOPE.md's Δ has none and drifts without bound over a
+    # long stream); 0.01 forgets half of Δ in ~70 updates (1.1K tokens at period 16).
+    c.decay = (0.01, 0.01, 0.01)
     c.widths = ()  # SwiGLU hidden width per level; (): the Transformer++ width split evenly across levels
     c.order = "fast_first"  # or "slow_first" (the paper's notation)
     c["update"] = "ntp"  # or "none": a static chain of MLPs (read it as cms["update"]: ConfigDict has .update)
@@ -88,6 +92,10 @@ def validate(config) -> None:
     if (not isinstance(cms.lr, (tuple, list)) or len(cms.lr) != k
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in cms.lr)):
         _fail("cms.lr", cms.lr, f"must be a tuple of {k} numbers >= 0 (one per period)")
+    decay = cms.decay
+    if (not isinstance(decay, (tuple, list)) or len(decay) not in (1, k)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in decay)):
+        _fail("cms.decay", decay, f"must be a tuple of {k} numbers in [0, 1) (one per period) or of one for all")
     if not isinstance(cms.widths, (tuple, list)) or (
             cms.widths and (len(cms.widths) != k or not all(_is_int(w) and w >= 1 for w in cms.widths))):
         _fail("cms.widths", cms.widths, f"must be () or a tuple of {k} integers >= 1 (one per period)")
@@ -121,7 +129,7 @@ class HopeBlock(nnx.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.mixer = mixer
         self.cms = ContinuumMemory(cfg.d_model, periods=cfg.cms.periods, widths=level_widths(cfg), lrs=cfg.cms.lr,
-                                   order=cfg.cms.order, eps=cfg.norm_eps, std=cfg.init_std,
+                                   decays=cfg.cms.decay, order=cfg.cms.order, eps=cfg.norm_eps, std=cfg.init_std,
                                    out_std=cfg.init_std / math.sqrt((k + 1) * cfg.num_layers), rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
@@ -186,7 +194,7 @@ class HopeModel(LanguageModel):
 
     def learn(self, deltas, gsums, grads, pos):
         """Add one chunk's gradients; levels whose period divides `pos` (tokens seen) update."""
-        rule = dict(lrs=self.cms.lrs, periods=self.cms.periods, pos=pos)
+        rule = dict(lrs=self.cms.lrs, periods=self.cms.periods, pos=pos, decays=self.cms.decays)
         if self.scanned:  # the update is elementwise: the stacked layers at once
             return accumulate_and_update(deltas, gsums, grads, **rule)
         out = [accumulate_and_update(d, s, g, **rule) for d, s, g in zip(deltas, gsums, grads)]
@@ -300,4 +308,5 @@ class HopeModel(LanguageModel):
         return jnp.swapaxes(logits, 0, 1), cache
 
 
-register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope, migrations=SELF_REFERENTIAL_MIGRATIONS)
+register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope,
+         migrations=(*SELF_REFERENTIAL_MIGRATIONS, ("model.cms.decay", (0.0,))))  # runs saved before CMS retention

@@ -42,7 +42,7 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
     c.targets = "chunk"  # v̂ from each memory's chunk-start state; "initial": from its initial weights (stable)
-    c.inner_step = "plain"  # docs/self_referential.md's steps; "normalized": bounded input and output steps (stable)
+    c.inner_step = "normalized"  # bounded input and output steps; "plain": docs/self_referential.md's, which overflow
     c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection
     c.lr_max = 0.5  # lr_t = lr_max * retain_t * sigmoid(M_lr(x_t)); <= 1 keeps the DGD factor >= 0
     c.expansion = 4  # hidden width of every memory MLP / head_dim
@@ -64,7 +64,7 @@ def _is_int(value) -> bool:
 def validate(config) -> None:
     """Refuse what the op or the layer cannot run, before anything is built."""
     from nlearn.memory.neural_memory import ACTIVATIONS
-    from nlearn.memory.self_referential import INNER_STEPS, READS, TARGETS
+    from nlearn.memory.self_referential import INNER_STEPS, LR_MAX_BOUND, READS, TARGETS
 
     mem = config.model.memory
     for key, low in (("chunk_memory", 1), ("chunk_other", 1), ("expansion", 1), ("conv_size", 0)):
@@ -84,8 +84,9 @@ def validate(config) -> None:
     for key in ("dgd", "dgd_output", "self_targets", "adaptive_q", "read_residual"):
         if not isinstance(mem[key], bool):
             _fail(key, mem[key], "must be True or False")
-    if not 0.0 < mem.lr_max <= 1.0:
-        _fail("lr_max", mem.lr_max, "must be in (0, 1] (above 1 the DGD factor retain - lr |k|^2 can turn negative)")
+    if not 0.0 < mem.lr_max <= LR_MAX_BOUND:
+        _fail("lr_max", mem.lr_max, f"must be in (0, {LR_MAX_BOUND:g}] (above it DGD's factor retain - lr |k|^2 can "
+              "turn negative)")
     for key in ("retain_init", "lr_init"):
         if not 0.0 < mem[key] < 1.0:
             _fail(key, mem[key], "must be in (0, 1)")

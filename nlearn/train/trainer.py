@@ -19,6 +19,7 @@ from absl import logging
 from nlearn import config as config_lib
 from nlearn import data
 from nlearn.errors import UserError
+from nlearn.eval.fast_weights import make_fast_weight_norm
 from nlearn.eval.perplexity import make_evaluator
 from nlearn.train import distributed
 from nlearn.train import flops as flops_lib
@@ -135,6 +136,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     train_iter, eval_batches = open_data(config, setup)
     hook = make_hook(config, workdir, lead)
     evaluate = make_evaluator(setup, hook.compiler_options)
+    fast_weights = make_fast_weight_norm(setup) if config.logging.fast_weights else None
     ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     step, state, restored = restore_or_init(ckpt, setup, train_iter, workdir, lead)
     total = hook.plan(restored)  # the run's last step (a hook may change it, e.g. a time budget)
@@ -161,6 +163,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     def run_eval(step):
         result = evaluate(state["params"], eval_batches)
+        if fast_weights is not None:  # the memories' largest fast weight over the first eval sequences
+            result["fast_weight_norm"] = fast_weights(state["params"], next(iter(eval_batches))["inputs"])
         log({"step": step, **{f"eval_{k}": v for k, v in result.items()}})
         if lead and config.logging.progress:
             print(f"eval at step {step}: {describe_eval(result)}", flush=True)

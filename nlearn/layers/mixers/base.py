@@ -44,7 +44,7 @@ class MemoryMixer(nnx.Module):
         conv_init = mem.conv_init
         self.convs = nnx.List([ShortConv(width, mem.conv_size, init=conv_init, rngs=rngs) for _ in range(3)]
                               if mem.conv_size else [])
-        self.out_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), rngs=rngs)
+        self.out_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps, axes=("kv",), overflow_safe=True, rngs=rngs)
         # output=False: no gate and output projection; the caller mixes `heads()` itself (Titans MAG).
         self.gate = Dense(cfg.d_model, width, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs) if output else None
         self.o = Dense(width, cfg.d_model, axes=("heads", "embed"), std=out_std, rngs=rngs) if output else None

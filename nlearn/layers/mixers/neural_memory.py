@@ -29,7 +29,7 @@ class NeuralMemoryMixer(MemoryMixer):
         super().__init__(cfg, output=output, rngs=rngs)
         mem = cfg.memory
         self.options = dict(residual=mem.residual, activation=mem.activation, objective=mem.objective,
-                            optimizer=mem.optimizer, minibatch=mem.minibatch)
+                            optimizer=mem.optimizer, minibatch=mem.minibatch, inner_step=mem.inner_step)
         self.max_lr = mem.max_lr
         h, d = self.num_heads, self.head_dim
         dims = [d] + [mem.expansion * d] * (mem.depth - 1) + [d]

@@ -19,6 +19,7 @@ class TTTMixer(MemoryMixer):
         """Create the shared parameters (after the subclass's initial weights, keeping RNG order)."""
         h, d = self.num_heads, self.head_dim
         self.minibatch, self.base_lr = cfg.memory.minibatch, cfg.memory.base_lr
+        self.inner_step = cfg.memory.get("inner_step")  # TTT-MLP's (TTT-Linear has no such key)
         self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
         self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
         self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)

@@ -39,8 +39,8 @@ class TTTMLPMixer(TTTMixer):
         (eta,) = gates
         ln = self._ln()
         if state is None:
-            return ttt_mlp(q, k, v, eta, **self._init_weights(), **ln)
+            return ttt_mlp(q, k, v, eta, **self._init_weights(), **ln, inner_step=self.inner_step)
         if q.shape[1] == 1:
-            o, state = ttt_mlp_step(q[:, 0], k[:, 0], v[:, 0], eta[:, 0], state, **ln)
+            o, state = ttt_mlp_step(q[:, 0], k[:, 0], v[:, 0], eta[:, 0], state, **ln, inner_step=self.inner_step)
             return o[:, None], state
-        return ttt_mlp(q, k, v, eta, initial_state=state, **ln)
+        return ttt_mlp(q, k, v, eta, initial_state=state, **ln, inner_step=self.inner_step)
