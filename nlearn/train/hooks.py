@@ -27,17 +27,20 @@ class StepHook:
         return self.config.train.steps
 
     def jit_step(self, setup):
-        """The jitted `(state, batch) -> (state, metrics)`."""
+        """The jitted `(state, batch) -> (state, metrics)`, called in the mesh's context where it needs one."""
+        return mesh_lib.in_mesh_context(self.jitted_step(setup), setup.mesh)
+
+    def jitted_step(self, setup):
+        """The `jax.jit` of the train step (`nlearn-compile` lowers it for a topology)."""
         t = self.config.train
         passing = ((t.state_passing, t.state_passing_from, state_passing.batch_axes(self.config))
                    if state_passing.enabled(self.config) else None)
         penalty = (t.write_penalty, t.write_penalty_from) if write_penalty.enabled(self.config) else None
         step = make_train_step(setup.graphdef, setup.optimizer, grad_accum=t.grad_accum, dtype=setup.dtype,
                                state_passing=passing, write_penalty=penalty)
-        jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
-                         out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                         compiler_options=self.compiler_options)
-        return mesh_lib.in_mesh_context(jitted, setup.mesh)
+        return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                       out_shardings=(setup.state_shardings, None), donate_argnums=0,
+                       compiler_options=self.compiler_options)
 
     def after_step(self, step: int, batch: dict, metrics, began: float) -> int | None:
         """Called once step `step` is dispatched (`began`: `time.perf_counter()` before its batch was
