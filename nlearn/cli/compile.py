@@ -5,12 +5,15 @@ memory against the chip's HBM, FLOPs, a roofline step time and the collectives; 
 """
 
 import json
+import os
 import sys
 
 from absl import flags
 from ml_collections import config_flags
 
 from nlearn.cli.common import run as run_app
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see nlearn.train.compile
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file and preset, e.g. configs/titans_mac.py:340m.", lock_config=True)

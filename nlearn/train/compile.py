@@ -24,6 +24,9 @@ from nlearn.train import hlo
 from nlearn.train import mesh as mesh_lib
 
 GIB = 1024**3
+# libtpu locks /tmp/libtpu_lockfile for the process that drives the chips; compiling drives none, so several
+# compiles (or a test run with pytest -n 2) may load it at once. Set before jax loads its plugins.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Report:
     alias_bytes: float | None = None
     xla_flops: float | None = None  # cost_analysis(): loop bodies counted once
     hlo_matmul_flops: float | None = None  # the lowered program's dots times their loops' trip counts, / devices
+    model_matmul_flops: float | None = None  # the same without remat's recompute (what flops.py counts)
     unknown_loops: int = 0
     bytes_accessed: float | None = None
     analytic_flops: float = 0.0  # nlearn.train.flops, per device
@@ -138,22 +142,28 @@ def _oom_details(message: str) -> tuple[float | None, list[str]]:
     return need, largest
 
 
-def compile_step(config, topology: str = "cpu") -> Report:
-    """Lower and compile `config`'s train step for `topology`; a `Report` (out of HBM included)."""
+def _step(config, devices):
+    """`(setup, the jitted train step, the abstract batch)` of `config` over `devices`."""
     from nlearn.train.hooks import StepHook
     from nlearn.train.state import make_setup
 
+    setup = make_setup(config, devices=devices)
+    t = config.train
+    jitted = StepHook(config, "", True).jitted_step(setup)  # the plain run's step; XLA's defaults for the target
+    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=setup.batch_sharding)
+             for k in ("inputs", "targets")}
+    return setup, jitted, batch
+
+
+def compile_step(config, topology: str = "cpu") -> Report:
+    """Lower and compile `config`'s train step for `topology`; a `Report` (out of HBM included)."""
     from nlearn import config as config_lib
 
     config_lib.validate(config)
     devices, chip_name = topology_devices(topology)
     chip = CHIPS.get(chip_name)
-    setup = make_setup(config, devices=devices)
+    setup, jitted, batch = _step(config, devices)
     t = config.train
-    hook = StepHook(config, "", True)  # the plain run's step; XLA's default options for the target
-    jitted = hook.jitted_step(setup)
-    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=setup.batch_sharding)
-             for k in ("inputs", "targets")}
     n = len(devices)
     analytic = flops_lib.flops_per_token(config.model, setup.abstract_state["params"], t.seq_len,
                                          backend="tpu" if chip else "cpu") * t.batch_size * t.seq_len / n
@@ -166,6 +176,15 @@ def compile_step(config, topology: str = "cpu") -> Report:
         lowered = mesh_lib.in_mesh_context(lambda: jitted.lower(setup.abstract_state, batch), setup.mesh)()
         flops, report.unknown_loops = hlo.matmul_flops(lowered.as_text(dialect="hlo"))
         report.hlo_matmul_flops = flops / n  # the whole program's, before partitioning: split over the devices
+        report.model_matmul_flops = report.hlo_matmul_flops
+        if config.model.remat:  # the model's own FLOPs (what flops.py counts): the same step without remat
+            plain = config.copy_and_resolve_references()
+            with plain.unlocked():
+                plain.model.remat = False
+            _, plain_jitted, _ = _step(plain, devices)
+            plain_lowered = mesh_lib.in_mesh_context(lambda: plain_jitted.lower(setup.abstract_state, batch),
+                                                     setup.mesh)()
+            report.model_matmul_flops = hlo.matmul_flops(plain_lowered.as_text(dialect="hlo"))[0] / n
         compiled = lowered.compile()
     except Exception as e:  # XLA refuses a program that does not fit the chip's HBM
         message = str(e)
@@ -174,8 +193,9 @@ def compile_step(config, topology: str = "cpu") -> Report:
         report.compile_s = time.perf_counter() - began
         report.fits, report.error = False, message.splitlines()[0][:300]
         need, largest = _oom_details(message)
-        report.largest = largest or [f"{b / GIB:.2f} GiB {shape} ({op})" for b, shape, op in hlo.largest_arrays(
-            lowered.as_text(dialect="hlo"))]
+        report.largest = largest or [  # XLA's message names none: the program's largest arrays, whole-batch shapes
+            f"{shape} ({b / GIB:.2f} GiB before splitting over {n} devices{'' if op == '?' else ', ' + op})"
+            for b, shape, op in hlo.largest_arrays(lowered.as_text(dialect="hlo"))]
         if need is not None:
             report.temp_bytes, report.argument_bytes, report.output_bytes, report.alias_bytes = need, 0.0, 0.0, 0.0
         return report
@@ -206,19 +226,22 @@ def describe(report: Report) -> str:
              f"arguments {_gib(report.argument_bytes)}, temporaries {_gib(report.temp_bytes)}, "
              f"outputs {_gib(report.output_bytes)} (aliased {_gib(report.alias_bytes)}), "
              f"total {_gib(report.total_bytes)}" + (f" of {_gib(report.hbm_bytes)} HBM" if report.hbm_bytes else "")]
-    if report.fits is False:
-        largest = f"; largest buffers: {'; '.join(report.largest)}" if report.largest else ""
-        lines.append(f"does not fit: {report.error}{largest}")
+    if report.hlo_matmul_flops is None:
         return "\n".join(lines)
-    ratio = report.hlo_matmul_flops / report.analytic_flops if report.analytic_flops else float("nan")
+    ratio = report.model_matmul_flops / report.analytic_flops if report.analytic_flops else float("nan")
     unknown = f"; {report.unknown_loops} of unknown length counted once" if report.unknown_loops else ""
     lines.append(f"FLOPs per device per step: {report.hlo_matmul_flops:.3e} in the program's matmuls (loops counted "
-                 f"by trip count, remat's recompute included{unknown}), XLA cost_analysis {report.xla_flops:.3e} "
-                 f"(loop bodies once), nlearn.train.flops {report.analytic_flops:.3e} (ratio {ratio:.2f})")
+                 f"by trip count, remat's recompute included{unknown}), XLA cost_analysis {report.xla_flops or 0:.3e} "
+                 f"(loop bodies once); without remat {report.model_matmul_flops:.3e}, nlearn.train.flops "
+                 f"{report.analytic_flops:.3e} (ratio {ratio:.2f})")
     if chip:
         t = report.step_time(chip)
         lines.append(f"estimated step time {t * 1e3:.1f} ms (roofline: {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
                      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s HBM; collectives not counted), MFU {report.mfu(chip):.1%}")
+    if report.fits is False:
+        largest = f"; largest buffers: {'; '.join(report.largest)}" if report.largest else ""
+        lines.append(f"does not fit: {report.error}{largest}")
+        return "\n".join(lines)
     kinds = ", ".join(f"{k} {v}" for k, v in report.collectives.items()) or "none"
     lines.append(f"collectives in the program (a loop body counted once): {kinds}")
     lines.append(f"compiled in {report.compile_s:.1f} s")
