@@ -125,6 +125,11 @@ def render(rows: list[dict], command: str) -> str:
             f"| {'' if step is None else f'{step * 1e3:.0f}'} "
             f"| {'' if r.get('mfu') is None else format(r['mfu'], '.0%')} "
             f"| {r.get('compile_s', 0):.0f} |")
+    done = {(r["family"], r["preset"], r["topology"]) for r in rows if not r.get("error") or r.get("temp_bytes")}
+    missing = [f"{f}:{p} {t}" for s in SIZE_NAMES for t in ("v5e:4x4", "v5p:2x2x1") for f in FAMILIES
+               for p in [preset_of(f, s)] if p and (f, p, t) not in done]
+    if missing:
+        lines += ["", f"Not compiled yet ({len(missing)}; rerun the command to add them): {', '.join(missing)}."]
     return "\n".join(lines) + "\n"
 
 
