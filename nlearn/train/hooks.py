@@ -37,14 +37,19 @@ class StepHook:
         return ()
 
     def jit_step(self, setup):
-        """The jitted `(state, batch) -> (state, metrics)`: `make_train_step` with this hook's optimizer."""
+        """The jitted `(state, batch) -> (state, metrics)`: `jitted_step` called in the mesh's context with this
+        hook's schedule arguments."""
+        jitted = mesh_lib.in_mesh_context(self.jitted_step(setup), setup.mesh)
+        return lambda state, batch: jitted(state, batch, *self.schedule_args())
+
+    def jitted_step(self, setup):
+        """The `jax.jit` of `make_train_step` with this hook's optimizer, `(state, batch, *schedule_args())`
+        (`nlearn-compile` lowers it for a topology)."""
         step = make_train_step(self.config, setup.graphdef, self.optimizer(setup), dtype=setup.dtype)
         extra = (mesh_lib.replicated(setup.mesh),) * len(self.schedule_args())
-        jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding, *extra),
-                         out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                         compiler_options=self.compiler_options)
-        jitted = mesh_lib.in_mesh_context(jitted, setup.mesh)
-        return lambda state, batch: jitted(state, batch, *self.schedule_args())
+        return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding, *extra),
+                       out_shardings=(setup.state_shardings, None), donate_argnums=0,
+                       compiler_options=self.compiler_options)
 
     def after_step(self, step: int, batch: dict, metrics, began: float) -> int | None:
         """Called once step `step` is dispatched (`began`: `time.perf_counter()` before its batch was

@@ -18,9 +18,10 @@ from nlearn.errors import UserError
 AXES = ("data", "fsdp", "tensor", "sequence")
 
 
-def make_mesh(config) -> jax.sharding.Mesh:
-    """The mesh of `config.mesh` over all devices; one axis may be -1 (the remaining devices)."""
-    n = jax.device_count()
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+    """The mesh of `config.mesh` over all devices (or `devices`, e.g. a TPU topology's to compile for);
+    one axis may be -1 (the remaining devices)."""
+    n = jax.device_count() if devices is None else len(devices)
     sizes = [config.mesh.get(a, 1) for a in AXES]  # configs saved before `mesh.sequence` have none
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -32,7 +33,7 @@ def make_mesh(config) -> jax.sharding.Mesh:
                         f"(sizes {dict(zip(AXES, sizes))}; use -1 on one axis to fill)")
     # Auto axes: the compiler propagates shardings from the placed inputs (jax >= 0.10 defaults
     # to Explicit, which would demand sharding-aware code in every op).
-    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def rules_table(config) -> dict:

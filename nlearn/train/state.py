@@ -75,8 +75,9 @@ def _fresh_carry(model, train):
     return jax.tree.map(lambda x: x.astype(jnp.float32), model.init_cache(train.batch_size, train.seq_len))
 
 
-def make_setup(config) -> Setup:
-    mesh = mesh_lib.make_mesh(config)
+def make_setup(config, devices=None) -> Setup:
+    """The setup of `config` on all devices, or on `devices` (a TPU topology's, to compile for it)."""
+    mesh = mesh_lib.make_mesh(config, devices)
     rules = mesh_lib.rules_table(config)
     optimizer = make_optimizer(config)
     abstract_model = nnx.eval_shape(lambda: models.build(config))

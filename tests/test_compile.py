@@ -1,0 +1,83 @@
+"""nlearn-compile: the train step compiled for a TPU topology on this CPU machine (libtpu, the `tpu` extra),
+and the HLO reading behind its FLOPs and collectives."""
+
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from nlearn.errors import UserError
+from nlearn.train import hlo
+from run_helpers import ROOT, run_cli
+from test_families import tiny
+
+pytest.importorskip("libtpu", reason="nlearn-compile's TPU topologies need the tpu extra: pip install 'nlearn[tpu]'")
+
+from nlearn.train.compile import CHIPS, compile_step, describe, topology_devices  # noqa: E402
+
+SMALL = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=2",
+         "--config.data.vocab_size=256"]
+
+
+def test_scanned_matmuls_count_every_iteration():
+    """XLA's cost_analysis counts a loop body once; the HLO count multiplies it by the trip count."""
+    def f(w, x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=7)[0]
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    lowered = jax.jit(f).lower(x, x)
+    flops, unknown = hlo.matmul_flops(lowered.as_text(dialect="hlo"))
+    assert (flops, unknown) == (7 * 2 * 64**3, 0)
+    assert hlo.matmul_flops(lowered.compile().as_text())[0] == flops
+    assert lowered.compile().cost_analysis()["flops"] < 2 * 2 * 64**3
+
+
+@pytest.mark.parametrize("family", ["transformer", "titans_lmm"])
+def test_tiny_compiles_for_v5e_with_fsdp(family):
+    config = tiny(family, dtype="bfloat16", remat=True)
+    with config.unlocked():
+        config.mesh.update(data=2, fsdp=2)
+        config.train.update(batch_size=4, seq_len=32)
+    report = compile_step(config, "v5e:2x2")
+    assert report.devices == 4 and report.mesh["data"] == 2 and report.mesh["fsdp"] == 2
+    # Per-device parameter bytes: each array's size over the mesh axes its sharding splits it on, x 4 bytes.
+    from nlearn.train.state import make_setup
+
+    setup = make_setup(config, devices=topology_devices("v5e:2x2")[0])
+    sharded = 0
+    for x in jax.tree.leaves(setup.abstract_state["params"]):
+        split = math.prod(setup.mesh.shape[a] for axes in x.sharding.spec if axes
+                          for a in (axes if isinstance(axes, tuple) else (axes,)))
+        sharded += x.size // split
+    assert sharded < setup.n_params  # fsdp really splits something
+    assert report.param_bytes == sharded * jnp.dtype(jnp.float32).itemsize
+    # XLA's own argument bytes hold the state (parameters, Adam's two moments), padded to the TPU's tiles.
+    assert 0 <= report.opt_bytes - 2 * report.param_bytes <= 64  # Adam's two moments and its step count
+    assert report.param_bytes + report.opt_bytes <= report.argument_bytes < 4 * (report.param_bytes + report.opt_bytes)
+    assert report.fits and report.total_bytes < CHIPS["v5e"].hbm_bytes
+    assert report.collectives.get("all-gather", 0) > 0  # fsdp gathers the split parameters
+    assert report.model_matmul_flops / report.analytic_flops == pytest.approx(1.0, abs=0.1)  # flops.py's count
+    assert report.hlo_matmul_flops > 1.1 * report.model_matmul_flops  # remat recomputes the forward
+    assert "estimated step time" in describe(report)
+
+
+def test_oversized_config_is_refused_in_one_line():
+    out = run_cli("compile", "--config=configs/transformer.py:tiny", "--topology=v5e:2x2", *SMALL,
+                  "--config.mesh.data=4", "--config.train.batch_size=64", "--config.train.seq_len=65536",
+                  "--config.data.vocab_size=32000", timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr
+    refusal = [line for line in out.stdout.splitlines() if line.startswith("does not fit")]
+    assert len(refusal) == 1 and "largest buffers" in refusal[0], out.stdout
+
+
+def test_topology_errors_are_one_line():
+    with pytest.raises(UserError, match="v9z:2x2"):
+        topology_devices("v9z:2x2")
+    script = ("import sys; sys.modules['libtpu'] = None\n"
+              "from nlearn.train.compile import topology_devices\n"
+              "try:\n    topology_devices('v5e:2x2')\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("UserError") and "nlearn[tpu]" in out.stdout, out.stdout + out.stderr
