@@ -253,7 +253,7 @@ def test_the_preset_hope_trains_resumes_and_decodes(tmp_path, cache_dir, text_co
     assert config.model.hope.mixer == "self_referential" and config.model.cms["update"] == "ntp"
     with config.unlocked():
         config.model.update(dict(d_model=16, num_layers=1, num_heads=1))
-        config.model.cms.update(dict(periods=(2, 4), lr=(0.5, 0.3)))
+        config.model.cms.update(dict(periods=(2, 4), lr=(0.5, 0.3), decay=(0.01, 0.01)))
         config.model.memory.update(chunk_memory=2, chunk_other=4)
         config.data.update(source="text", path=text_corpus, cache_dir=cache_dir, vocab_size=300, eval_tokens=512)
         config.train.update(steps=2, batch_size=2, seq_len=8, warmup_steps=1, log_every=1, peak_gflops=100.0,

@@ -83,6 +83,7 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
                                        rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow  # 50-95 s a family; the default suite passes states through test_a_kept_row_continues_its_state...
 @pytest.mark.parametrize("family", ["titans_lmm", "titans_mac"])
 def test_a_shared_position_passes_states_only_where_a_fresh_row_starts(family):
     """titans_lmm keeps its place in the current mini-batch once for all rows (`pos`), titans_mac also its
@@ -144,7 +145,7 @@ def test_a_shared_position_passes_states_only_where_a_fresh_row_starts(family):
     ("ttt_linear", {}, True), ("ttt_mlp", {}, True), ("self_ref_titans", {}, True),
     ("titans_mac", {"mac_positions": "segment"}, True),
     ("titans_mac", {"mac_positions": "absolute"}, False),  # RoPE's rotation depends on the stream position
-    ("hope", {}, False),  # its CMS counts every token read
+    pytest.param("hope", {}, False, marks=pytest.mark.slow),  # its CMS counts every token read (~28 s)
 ])
 def test_which_families_can_pass_states(family, model, passes):
     """After a window that is a multiple of the mini-batch (4) and of self_ref_titans' chunk period (64), the
@@ -185,6 +186,7 @@ def test_bad_state_passing_is_refused_with_one_line(family, overrides, message):
         config_lib.validate(config)
 
 
+@pytest.mark.slow  # ~100 s: three CLI runs; the plain path's exact resume is tests/test_train.py's (default suite)
 def test_a_run_with_state_passing_resumes_exactly_and_a_run_without_it_can_start_it(
         tmp_path, cache_dir, text_corpus):
     """12 steps straight == killed after the step-6 checkpoint and rerun (the carried states come back from

@@ -291,7 +291,7 @@ def assert_grads_close(got, want, tol=TOL):
 
 GRAD_T = 11  # divides no chunk size used here
 GRAD_CFGS = [
-    dict(cm=2, co=4),  # memory chunks inside the generators' chunks
+    dict(cm=2, co=4, os="normalized"),  # the default: memory chunks inside the generators' chunks, normalised steps
     dict(cm=4, co=2, read="before_write", dgd=False, st=False),
     dict(cm=2, co=4, dgo=True),  # DGD on the output layers too
     dict(cm=4, co=4, read="chunk_start", aq=True),
