@@ -109,7 +109,6 @@ def test_local_tasks_through_simple_evaluate(lm, tasks_dir):
     assert out["config"]["nlearn_rolling"] == "stream" and out["config"]["nlearn_cache_grows"] is False
 
 
-@pytest.mark.slow
 def test_local_tasks_through_the_command_line(lm, run_dir, tasks_dir, tmp_path):
     """`nlearn-lm-eval` with lm-eval's own flags and the Hub switched off: the in-process numbers."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu",
