@@ -80,10 +80,10 @@ REPLY_TOKENS = 128  # RULER's tokens_to_generate: an evaluation prompt's length 
 def heldout_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(adjectives, nouns) of wonderwords' lists, as RULER draws its keys, less every word of the training lists
     and any word with a character outside a-z (no training key can be drawn from them)."""
-    from wonderwords import random_word
+    from importlib import resources
 
     def keep(name, taken):
-        words = random_word._get_words_from_text_file(name)
+        words = (resources.files("wonderwords") / "assets" / name).read_text(encoding="utf-8").splitlines()
         return tuple(sorted({w for w in words if w.isascii() and w.isalpha() and w.islower()} - set(taken)))
 
     return keep("adjectivelist.txt", ADJECTIVES), keep("nounlist.txt", NOUNS)
