@@ -1,7 +1,6 @@
 """Every family trains in bfloat16 (the dtype every accelerator run uses): the train step of its `tiny`
 preset at tiny dims, from the same setup and step builder as `nlearn-train`, traced for every family and
-run for one step (compiling it takes 15-70 s a family on 2 cores, so the default suite runs Hope, whose
-self-referential memories once left their scan in another dtype, and the cheapest ones; `make test-all` the rest)."""
+run for one step (Hope included: its self-referential memories once left their scan in another dtype)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,6 @@ from nlearn.train.step import make_train_step
 from test_families import tiny
 
 FAMILIES = sorted(models.FAMILIES)
-RUN_BY_DEFAULT = ("hope", "titans_lmm")  # the failing case (Hope) and a Titans memory; every family traces by default
 
 
 def bf16_tiny(family):
@@ -49,8 +47,7 @@ def test_family_step_traces_in_bfloat16(family):
     assert types(after) == types(setup.abstract_state) and metrics["loss"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("family", [f if f in RUN_BY_DEFAULT else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_a_step_in_bfloat16(family):
     setup, step = bf16_step(family)
     step = jax.jit(step)

@@ -102,7 +102,7 @@ def test_local_tasks_through_simple_evaluate(lm, tasks_dir):
     assert get_model("nlearn") is NlearnLM
     assert get_model("dummy").__name__ == "DummyLM"  # lm-eval's own models stay registered
     out = lm_eval.simple_evaluate(model=lm, tasks=["nlearn_mc", "nlearn_ppl"],
-                                  task_manager=TaskManager(include_path=tasks_dir))
+                                  task_manager=TaskManager(include_path=tasks_dir, include_defaults=False))
     acc, byte_ppl = expected_metrics(lm)
     assert out["results"]["nlearn_mc"]["acc,none"] == pytest.approx(acc)
     assert out["results"]["nlearn_ppl"]["byte_perplexity,none"] == pytest.approx(byte_ppl, rel=1e-6)
