@@ -102,6 +102,24 @@ def configure_process() -> None:
     """
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "JAX_PLATFORMS" not in os.environ and tpu_runtime_without_a_tpu():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def tpu_runtime_without_a_tpu() -> bool:
+    """libtpu is installed (`nlearn[tpu]`, for nlearn-compile) but no TPU chip is attached and no GPU plugin
+    is installed: jax would start the TPU runtime anyway, which prints errors about TPU hosts it cannot find.
+    (nlearn-compile still reaches libtpu: a topology's devices do not need the TPU backend.)"""
+    import glob
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None or importlib.util.find_spec("jax_plugins") is not None:
+        return False
+    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        with open(path) as f:
+            if f.read().strip() == "0x1ae0":  # Google's PCI vendor id: a TPU may be attached
+                return False
+    return True
 
 
 def quiet_libraries() -> None:
