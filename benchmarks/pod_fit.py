@@ -59,7 +59,7 @@ def run_row(family: str, preset: str, topology: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, "-m", "nlearn.cli.compile", f"--config=configs/{family}.py:{preset}",
-               f"--topology={topology}", f"--json={out}", "--config.model.dtype=bfloat16",
+               f"--topology={topology}", f"--json={out}", "--nofit", "--config.model.dtype=bfloat16",
                "--config.model.remat=True", "--config.model.scan_layers=True", "--config.mesh.data=1",
                f"--config.mesh.fsdp={n}", f"--config.train.batch_size={_PER_CHIP.value * n}",
                f"--config.train.seq_len={_SEQ.value}"]

@@ -69,8 +69,13 @@ def test_oversized_config_is_refused_in_one_line():
                   "--config.mesh.data=4", "--config.train.batch_size=64", "--config.train.seq_len=65536",
                   "--config.data.vocab_size=32000", timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr
-    refusal = [line for line in out.stdout.splitlines() if line.startswith("does not fit")]
-    assert len(refusal) == 1 and "largest buffers" in refusal[0], out.stdout
+    lines = out.stdout.splitlines()
+    refusal = [line for line in lines if line.startswith("does not fit")]
+    assert refusal and "largest buffers" in refusal[0], out.stdout
+    # then the micro-batch search: the first guess from the temporaries is one sequence per shard (grad_accum 16),
+    # which still does not fit; its compiled program is reported
+    assert "train.grad_accum=16 (1 sequence per batch shard per micro-batch): does not fit" in out.stdout
+    assert any(line.startswith("does not fit even at one sequence per batch shard") for line in lines), out.stdout
 
 
 def test_topology_errors_are_one_line():

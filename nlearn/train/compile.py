@@ -155,6 +155,12 @@ def _step(config, devices):
     return setup, jitted, batch
 
 
+def _largest(lowered, n: int) -> list[str]:
+    """The lowered program's largest arrays, whole-batch shapes."""
+    return [f"{shape} ({b / GIB:.2f} GiB before splitting over {n} devices{'' if op == '?' else ', ' + op})"
+            for b, shape, op in hlo.largest_arrays(lowered.as_text(dialect="hlo"))]
+
+
 def compile_step(config, topology: str = "cpu") -> Report:
     """Lower and compile `config`'s train step for `topology`; a `Report` (out of HBM included)."""
     from nlearn import config as config_lib
@@ -193,9 +199,7 @@ def compile_step(config, topology: str = "cpu") -> Report:
         report.compile_s = time.perf_counter() - began
         report.fits, report.error = False, message.splitlines()[0][:300]
         need, largest = _oom_details(message)
-        report.largest = largest or [  # XLA's message names none: the program's largest arrays, whole-batch shapes
-            f"{shape} ({b / GIB:.2f} GiB before splitting over {n} devices{'' if op == '?' else ', ' + op})"
-            for b, shape, op in hlo.largest_arrays(lowered.as_text(dialect="hlo"))]
+        report.largest = largest or _largest(lowered, n)  # XLA's message names none: the program's own
         if need is not None:
             report.temp_bytes, report.argument_bytes, report.output_bytes, report.alias_bytes = need, 0.0, 0.0, 0.0
         return report
@@ -210,7 +214,42 @@ def compile_step(config, topology: str = "cpu") -> Report:
     report.collectives = hlo.collectives(compiled.as_text())
     if chip:
         report.fits = report.total_bytes <= chip.hbm_bytes
+    if report.fits is False:  # compiled, but over the chip's HBM: name the program's largest arrays
+        report.error = f"{_gib(report.total_bytes)} per device exceeds the chip's {_gib(chip.hbm_bytes)} HBM"
+        report.largest = _largest(lowered, n)
     return report
+
+
+def fitting_grad_accum(config, topology: str, refused: Report, log=print):
+    """`(train.grad_accum, Report)` of the first micro-batching that fits where `refused` (config's own report)
+    ran out of HBM, else of the smallest micro-batch tried (its report says by how much it misses). The global
+    batch stays; the micro-batch shrinks by a power of two, the first guess from the temporaries XLA asked for
+    (they scale with the micro-batch), each guess compiled to confirm. None: nothing to try."""
+    chip = CHIPS.get(topology.partition(":")[0])
+    t = config.train
+    shards = refused.mesh.get("data", 1) * refused.mesh.get("fsdp", 1)  # the batch is split over both
+    if chip is None or refused.temp_bytes is None or t.batch_size % shards:
+        return None
+    room = chip.hbm_bytes - refused.param_bytes - refused.opt_bytes
+    factor = 2 ** max(1, math.ceil(math.log2(max(refused.temp_bytes / max(room, 1.0), 1.0))))
+    accum = t.grad_accum * factor
+    while t.batch_size % (accum * shards) and accum > t.grad_accum * 2:  # at most one sequence per shard
+        accum //= 2
+    last = None
+    while t.batch_size % (accum * shards) == 0:
+        trial = config.copy_and_resolve_references()
+        with trial.unlocked():
+            trial.train.grad_accum = accum
+        report = compile_step(trial, topology)
+        per_chip = t.batch_size // (accum * shards)
+        log(f"train.grad_accum={accum} ({per_chip} sequence{'s' if per_chip > 1 else ''} per batch shard per "
+            "micro-batch): "
+            + ("fits" if report.fits else f"does not fit ({_gib(report.total_bytes)})"))
+        last = accum, report
+        if report.fits:
+            break
+        accum *= 2
+    return last
 
 
 def _gib(x) -> str:
@@ -238,13 +277,13 @@ def describe(report: Report) -> str:
         t = report.step_time(chip)
         lines.append(f"estimated step time {t * 1e3:.1f} ms (roofline: {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
                      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s HBM; collectives not counted), MFU {report.mfu(chip):.1%}")
+    if report.xla_flops is not None:  # XLA compiled it (over HBM or not)
+        kinds = ", ".join(f"{k} {v}" for k, v in report.collectives.items()) or "none"
+        lines.append(f"collectives in the program (a loop body counted once): {kinds}")
+        lines.append(f"compiled in {report.compile_s:.1f} s")
     if report.fits is False:
         largest = f"; largest buffers: {'; '.join(report.largest)}" if report.largest else ""
         lines.append(f"does not fit: {report.error}{largest}")
-        return "\n".join(lines)
-    kinds = ", ".join(f"{k} {v}" for k, v in report.collectives.items()) or "none"
-    lines.append(f"collectives in the program (a loop body counted once): {kinds}")
-    lines.append(f"compiled in {report.compile_s:.1f} s")
     return "\n".join(lines)
 
 
