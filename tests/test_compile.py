@@ -86,3 +86,38 @@ def test_topology_errors_are_one_line():
               "try:\n    topology_devices('v5e:2x2')\nexcept Exception as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("UserError") and "nlearn[tpu]" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_micro_batch_search_guesses_from_the_temporaries_and_stops_at_the_first_fit(monkeypatch):
+    """The search's arithmetic, with each compile's temporaries a function of the micro-batch (the real compiles
+    are covered above): 64 sequences over 4 shards asking for 1.5x the chip's HBM start at grad_accum 2, which
+    (temporaries grow faster than the micro-batch) still does not fit, then 4 does; a sequence too large for a
+    chip ends at one sequence per shard."""
+    from nlearn.train import compile as compile_lib
+
+    config = tiny("transformer")
+    with config.unlocked():
+        config.mesh.update(data=4)
+        config.train.update(batch_size=64)
+    hbm = CHIPS["v5e"].hbm_bytes
+    per_sequence = 1.5 * hbm / 16  # a 16-sequence shard asks for 1.5 HBMs
+    tried = []
+
+    def fake_compile(trial, topology):
+        per_shard = trial.train.batch_size // (trial.train.grad_accum * 4)
+        tried.append(trial.train.grad_accum)
+        temp = per_shard * per_sequence * (1.6 if per_shard > 4 else 1.0)  # not quite linear, as XLA's
+        return compile_lib.Report("transformer", topology, 4, {"data": 4, "fsdp": 1}, 64, 128, "float32", 1, 0, 0,
+                                  temp <= hbm, hbm, 0.0, temp, 0.0, 0.0)
+
+    monkeypatch.setattr(compile_lib, "compile_step", fake_compile)
+    refused = compile_lib.Report("transformer", "v5e:2x2", 4, {"data": 4, "fsdp": 1}, 64, 128, "float32", 1, 0, 0,
+                                 False, hbm, temp_bytes=16 * per_sequence)
+    accum, report = compile_lib.fitting_grad_accum(config, "v5e:2x2", refused, log=lambda m: None)
+    assert tried == [2, 4] and accum == 4 and report.fits
+    too_big = compile_lib.Report("transformer", "v5e:2x2", 4, {"data": 4, "fsdp": 1}, 64, 128, "float32", 1, 0, 0,
+                                 False, hbm, temp_bytes=1000 * hbm)
+    tried.clear()
+    per_sequence = 2 * hbm  # one sequence alone does not fit: the last report is one sequence per shard
+    accum, report = compile_lib.fitting_grad_accum(config, "v5e:2x2", too_big, log=lambda m: None)
+    assert tried == [16] and accum == 16 and not report.fits

@@ -22,7 +22,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _TOPOLOGY = flags.DEFINE_string("topology", "cpu", "cpu (this machine's devices) or <chip>:<AxB[xC]>, "
                                 "e.g. v5e:4x4, v5p:2x2x1, v4:2x2x1.")
 _JSON = flags.DEFINE_string("json", None, "Also append the report as one JSON line to this file.")
-_FIT = flags.DEFINE_bool("fit", True, "When the step does not fit, search train.grad_accum for a micro-batch that does.")
+_FIT = flags.DEFINE_bool("fit", True, "When the step does not fit, search train.grad_accum for a micro-batch "
+                        "that does.")
 flags.mark_flags_as_required(["config"])
 
 
