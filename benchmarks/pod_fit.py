@@ -82,6 +82,35 @@ def _gib(x) -> str:
     return "" if x is None else f"{x / 2**30:.2f}"
 
 
+PAPER_BATCH = 256  # sequences per optimizer step at the paper-size presets (nlearn/presets.py)
+
+
+def slice_name(topology: str) -> str:
+    """Cloud TPU's name of a slice: v5e counts chips, v4/v5p count TensorCores (two a chip)."""
+    chip = topology.split(":")[0]
+    return f"{chip}-{chips(topology) * (1 if chip in ('v5e', 'v6e') else 2)}"
+
+
+def recommendations(rows: list[dict]) -> list[str]:
+    """Per preset: the first measured slice (v5e before v5p, more sequences per chip first) whose step fits, with
+    the `train.grad_accum` that keeps the paper batch."""
+    out = ["Recommended mesh per preset (the first measured row that fits; v5e before v5p, fsdp over every chip):", "",
+           "| preset | slice | mesh | sequences per chip | train.grad_accum | total GiB per chip |", "|---|---|---|---|---|---|"]
+    presets = sorted({(r["family"], r["preset"]) for r in rows},
+                     key=lambda fp: (FAMILIES.index(fp[0]) if fp[0] in FAMILIES else 99, fp[1]))
+    for family, preset in presets:
+        fitting = sorted((r for r in rows if (r["family"], r["preset"]) == (family, preset) and r.get("fits")),
+                         key=lambda r: (not r["topology"].startswith("v5e"), -(r["batch"] // r["devices"])))
+        if not fitting:
+            out.append(f"| {family}:{preset} | none measured fits | | | | |")
+            continue
+        r = fitting[0]
+        per_chip = r["batch"] // r["devices"]
+        out.append(f"| {family}:{preset} | {slice_name(r['topology'])} (`{r['topology']}`) | fsdp={r['devices']} "
+                   f"| {per_chip} | {max(1, PAPER_BATCH // r['batch'])} | {_gib(r['total_bytes'])} |")
+    return out
+
+
 def render(rows: list[dict], command: str) -> str:
     lines = [
         "# Pod fit: every family's paper presets compiled for TPU topologies on a CPU machine",
@@ -125,6 +154,7 @@ def render(rows: list[dict], command: str) -> str:
             f"| {'' if step is None else f'{step * 1e3:.0f}'} "
             f"| {'' if r.get('mfu') is None else format(r['mfu'], '.0%')} "
             f"| {r.get('compile_s', 0):.0f} |")
+    lines += ["", *recommendations(rows)]
     done = {(r["family"], r["preset"], r["topology"]) for r in rows if not r.get("error") or r.get("temp_bytes")}
     missing = [f"{f}:{p} {t}" for s in SIZE_NAMES for t in ("v5e:4x4", "v5p:2x2x1") for f in FAMILIES
                for p in [preset_of(f, s)] if p and (f, p, t) not in done]
