@@ -94,8 +94,9 @@ def slice_name(topology: str) -> str:
 def recommendations(rows: list[dict]) -> list[str]:
     """Per preset: the first measured slice (v5e before v5p, more sequences per chip first) whose step fits, with
     the `train.grad_accum` that keeps the paper batch."""
-    out = ["Recommended mesh per preset (the first measured row that fits; v5e before v5p, fsdp over every chip):", "",
-           "| preset | slice | mesh | sequences per chip | train.grad_accum | total GiB per chip |", "|---|---|---|---|---|---|"]
+    out = ["Recommended mesh per preset (the first measured row that fits; v5e before v5p, fsdp over every chip):",
+           "", "| preset | slice | mesh | sequences per chip | train.grad_accum | total GiB per chip |",
+           "|---|---|---|---|---|---|"]
     presets = sorted({(r["family"], r["preset"]) for r in rows},
                      key=lambda fp: (FAMILIES.index(fp[0]) if fp[0] in FAMILIES else 99, fp[1]))
     for family, preset in presets:
