@@ -2,6 +2,7 @@
 and the HLO reading behind its FLOPs and collectives."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -62,6 +63,10 @@ def test_tiny_compiles_for_v5e_with_fsdp(family):
     assert report.model_matmul_flops / report.analytic_flops == pytest.approx(1.0, abs=0.1)  # flops.py's count
     assert report.hlo_matmul_flops > 1.1 * report.model_matmul_flops  # remat recomputes the forward
     assert "estimated step time" in describe(report)
+    # Every device computes its own sequence only: no [B, T, ...] activation of the whole batch (logits included).
+    shapes = [a.split(" ")[0] for a in report.device_arrays]
+    assert any(s.startswith("f32[1,32,") for s in shapes), report.device_arrays
+    assert not any(re.match(r"\w+\[[234],32,", s) for s in shapes), report.device_arrays
 
 
 def test_oversized_config_is_refused_in_one_line():

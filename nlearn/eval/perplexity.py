@@ -21,7 +21,8 @@ def make_evaluator(setup, compiler_options: dict | None = None):
     step = jax.jit(make_eval_step(setup.graphdef, dtype=setup.dtype),
                    in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
                    compiler_options=compiler_options)
-    step = mesh_lib.in_mesh_context(step, setup.mesh)  # a sequence-split mesh: the layers split too
+    # a sequence-split mesh: the layers split too; activations stay split as the batch is
+    step = mesh_lib.in_mesh_context(step, setup.mesh, setup.batch_sharding)
 
     def evaluate(params, batches) -> dict:
         total, count, hits = 0.0, 0.0, 0.0

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nlearn.layers.batch_split import constrain
+
 
 def head_dim(model_cfg) -> int:
     """Per-head width of a model config: `model.head_dim`, or `d_model // num_heads` when it is 0."""
@@ -48,10 +50,10 @@ class Embed(nnx.Module):
         self.table = param(rngs, (vocab, d_model), ("vocab", "embed"), std)
 
     def __call__(self, tokens_BT, dtype=jnp.float32):
-        return jnp.take(self.table[...], tokens_BT, axis=0).astype(dtype)
+        return constrain(jnp.take(self.table[...], tokens_BT, axis=0).astype(dtype))
 
     def attend(self, x_BTD):
-        return x_BTD @ self.table[...].astype(x_BTD.dtype).T
+        return constrain(x_BTD @ self.table[...].astype(x_BTD.dtype).T)
 
 
 class RMSNorm(nnx.Module):

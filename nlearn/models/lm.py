@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nlearn.layers.batch_split import constrain
 from nlearn.layers.core import Dense, Embed, RMSNorm, SwiGLU, swiglu_width
 
 STACKED = "layers"  # attribute, parameter key and logical axis name of the stacked blocks
@@ -55,7 +56,7 @@ class Block(nnx.Module):
     def __call__(self, x_BTD, cache=None):
         y, cache = self.mixer(self.mixer_norm(x_BTD), cache)
         x_BTD = x_BTD + y
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache
+        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD))), cache
 
 
 # (model_cfg, layer_index, rngs) -> mixer module; layer_index is a traced int32 under model.scan_layers
@@ -163,7 +164,7 @@ class LanguageModel(nnx.Module):
 
     def _logits(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)
-        logits = self.embed.attend(x_BTD) if self.head is None else self.head(x_BTD)
+        logits = self.embed.attend(x_BTD) if self.head is None else constrain(self.head(x_BTD))
         return logits.astype(jnp.float32)
 
     def _run_blocks(self, x_BTD, cache=None):

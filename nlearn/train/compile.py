@@ -109,6 +109,7 @@ class Report:
     compile_s: float = 0.0
     error: str = ""  # the compiler's refusal (e.g. out of HBM)
     largest: list = dataclasses.field(default_factory=list)  # the largest buffers (XLA's, else the program's arrays)
+    device_arrays: list = dataclasses.field(default_factory=list)  # the compiled program's largest, per device
 
     @property
     def total_bytes(self) -> float | None:
@@ -179,7 +180,8 @@ def compile_step(config, topology: str = "cpu") -> Report:
                     analytic_flops=analytic)
     began, lowered = time.perf_counter(), None
     try:
-        lowered = mesh_lib.in_mesh_context(lambda: jitted.lower(setup.abstract_state, batch), setup.mesh)()
+        lowered = mesh_lib.in_mesh_context(lambda: jitted.lower(setup.abstract_state, batch), setup.mesh,
+                                           setup.batch_sharding)()
         flops, report.unknown_loops = hlo.matmul_flops(lowered.as_text(dialect="hlo"))
         report.hlo_matmul_flops = flops / n  # the whole program's, before partitioning: split over the devices
         report.model_matmul_flops = report.hlo_matmul_flops
@@ -189,7 +191,7 @@ def compile_step(config, topology: str = "cpu") -> Report:
                 plain.model.remat = False
             _, plain_jitted, _ = _step(plain, devices)
             plain_lowered = mesh_lib.in_mesh_context(lambda: plain_jitted.lower(setup.abstract_state, batch),
-                                                     setup.mesh)()
+                                                     setup.mesh, setup.batch_sharding)()
             report.model_matmul_flops = hlo.matmul_flops(plain_lowered.as_text(dialect="hlo"))[0] / n
         compiled = lowered.compile()
     except Exception as e:  # XLA refuses a program that does not fit the chip's HBM
@@ -211,7 +213,10 @@ def compile_step(config, topology: str = "cpu") -> Report:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.xla_flops = float(cost.get("flops", 0.0))
     report.bytes_accessed = float(cost.get("bytes accessed", 0.0))
-    report.collectives = hlo.collectives(compiled.as_text())
+    compiled_text = compiled.as_text()
+    report.collectives = hlo.collectives(compiled_text)
+    report.device_arrays = [f"{shape} ({b / GIB:.2f} GiB{'' if op == '?' else ', ' + op})"
+                            for b, shape, op in hlo.largest_arrays(compiled_text, 3)]
     if chip:
         report.fits = report.total_bytes <= chip.hbm_bytes
     if report.fits is False:  # compiled, but over the chip's HBM: name the program's largest arrays
@@ -280,6 +285,8 @@ def describe(report: Report) -> str:
     if report.xla_flops is not None:  # XLA compiled it (over HBM or not)
         kinds = ", ".join(f"{k} {v}" for k, v in report.collectives.items()) or "none"
         lines.append(f"collectives in the program (a loop body counted once): {kinds}")
+        if report.device_arrays:
+            lines.append(f"largest arrays per device: {'; '.join(report.device_arrays)}")
         lines.append(f"compiled in {report.compile_s:.1f} s")
     if report.fits is False:
         largest = f"; largest buffers: {'; '.join(report.largest)}" if report.largest else ""

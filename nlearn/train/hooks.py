@@ -39,7 +39,7 @@ class StepHook:
     def jit_step(self, setup):
         """The jitted `(state, batch) -> (state, metrics)`: `jitted_step` called in the mesh's context with this
         hook's schedule arguments."""
-        jitted = mesh_lib.in_mesh_context(self.jitted_step(setup), setup.mesh)
+        jitted = mesh_lib.in_mesh_context(self.jitted_step(setup), setup.mesh, setup.batch_sharding)
         return lambda state, batch: jitted(state, batch, *self.schedule_args())
 
     def jitted_step(self, setup):

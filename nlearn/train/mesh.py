@@ -78,15 +78,21 @@ def sequence_size(mesh) -> int:
     return dict(mesh.shape).get("sequence", 1)
 
 
-def in_mesh_context(fn, mesh):
-    """`fn` called under `jax.set_mesh(mesh)` when the mesh splits sequences, so the layers trace
-    their sequence-parallel form (they read the context mesh); `fn` itself otherwise."""
-    if sequence_size(mesh) == 1:
+def in_mesh_context(fn, mesh, batch_sharding: NamedSharding | None = None):
+    """`fn` called under `jax.set_mesh(mesh)` when the mesh splits sequences, so the layers trace their
+    sequence-parallel form (they read the context mesh), and, given `batch_sharding`, with the model's
+    activations kept split as the batch is (nlearn.layers.batch_split)."""
+    from nlearn.layers.batch_split import split_like
+
+    if sequence_size(mesh) == 1 and (batch_sharding is None or mesh.size == 1):
         return fn
 
     def wrapped(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
+        with split_like(batch_sharding):
+            if sequence_size(mesh) == 1:
+                return fn(*args, **kwargs)
+            with jax.set_mesh(mesh):
+                return fn(*args, **kwargs)
 
     return wrapped
 

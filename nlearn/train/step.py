@@ -106,7 +106,10 @@ def make_train_step(config, graphdef, optimizer, *, dtype=jnp.float32):
         if accum == 1:
             (_, (loss, cost, extra)), grads = grad_fn(state["params"], batch, total_weight, penalty, carry, keep_B)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+            # micro-batch i holds rows i, i + accum, ...: each device's block of rows (the batch is split along
+            # B) gives every micro-batch its share, so no micro-batch lives on a few devices only
+            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1),
+                                 batch)
 
             def accumulate(total, mb):
                 (_, aux), grads = grad_fn(state["params"], mb, total_weight, penalty, None, None)
