@@ -7,6 +7,9 @@ checkpoint and exits. Every run's last checkpoint is then scored by `nlearn-eval
 final evaluation, so scoring is not charged to the budget). The table reports accuracy on the answers,
 parameter count, the training process's wall time (start-up, compilation and checkpoints included) and the
 steps it reached.
+Each family trains once per seed (`--seeds`, default 0,1,2; `train.seed`) and its row gives the median accuracy
+with every seed's figure. Runs of one seed can go to another process (`--seeds=2 --print-only`) and be
+collected afterwards with `--reuse`.
 `--merge` trains only the given families and puts their rows into the existing results/mqar.md (replacing
 a family's old row), with one line under the table saying where and when each merged row was made.
 """
@@ -20,6 +23,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -109,19 +113,33 @@ def run_family(family: str, workdir: str, extra: list[str], time_limit_s: float)
             "steps_total": steps_total, "steps_configured": steps_configured}
 
 
+def seed_row(family: str, runs: list[dict]) -> dict:
+    """One family's table row from its runs over seeds: the median accuracy and each seed's."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {"family": family, "error": f"seed {failed[0]['seed']}: {failed[0]['error']}"}
+    middle = sorted(runs, key=lambda r: r["accuracy"])[(len(runs) - 1) // 2]  # the median run (lower of two)
+    return {**middle, "family": family, "accuracy": statistics.median(r["accuracy"] for r in runs),
+            "seeds": {r["seed"]: r["accuracy"] for r in runs}}
+
+
 def table(rows: list[dict], steps: int) -> str:
-    """The results table; `steps` is the common budget, for rows that do not carry their own."""
-    out = ["| family | MQAR accuracy | parameters | training time | steps |", "|---|---|---|---|---|"]
+    """The results table; `steps` is the common budget, for rows that do not carry their own. Training time and
+    steps are the median-accuracy run's."""
+    out = ["| family | MQAR accuracy (median) | by seed | parameters | training time | steps |",
+           "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['family']} | failed: {r['error']} | | | |")
+            out.append(f"| {r['family']} | failed: {r['error']} | | | | |")
         else:
             total = r.get("steps_total", steps)
             reached = f"{r['step']} of {total}" + (" (time limit)" if r["stopped_at_limit"] else "")
             if r.get("steps_configured", total) > total:
                 reached += f" (time budget; preset {r['steps_configured']})"
-            out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {r['params_m']:.2f}M | "
-                       f"{r['train_seconds'] / 60:.1f} min | {reached} |")
+            seeds = " / ".join(f"{100 * a:.1f}" for _, a in sorted(r.get("seeds", {}).items()))
+            names = ",".join(str(s) for s in sorted(r.get("seeds", {})))
+            out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {seeds}% (seeds {names}) | "
+                       f"{r['params_m']:.2f}M | {r['train_seconds'] / 60:.1f} min | {reached} |")
     return "\n".join(out)
 
 
@@ -218,6 +236,7 @@ def per_family(label: str, by_family: dict[str, dict], families: list[str]) -> s
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--families", default=",".join(DEFAULT_FAMILIES))
+    parser.add_argument("--seeds", default="0,1,2", help="train.seed of each run; a row gives their median")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "mqar"))
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of wall time per family (default: benchmarks/configs/mqar.py "
@@ -234,26 +253,31 @@ def main():
     presets = mqar_presets()
     limit = args.time_limit or presets.TIME_LIMIT_S  # the table's note; families with their own cap say so
     families = args.families.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")]
     rows, reused = [], []
     for family in families:
-        workdir = os.path.join(args.workdir, family)
-        row_path = os.path.join(workdir, "row.json")
-        fingerprint = preset_fingerprint(presets, family, args.overrides)
-        row = json.load(open(row_path)) if args.reuse and os.path.exists(row_path) else None
-        if row is not None and row.get("preset") != fingerprint:
-            print(f"{row_path} was trained from another preset; training {family} again", flush=True)
-            row = None
-        if row is not None:
-            rows.append(row)
-            reused.append(family)
-        else:
-            subprocess.run(["rm", "-rf", workdir])
-            seconds = time_limit(presets, family, args.time_limit)
-            rows.append({**run_family(family, workdir, args.overrides, seconds), "preset": fingerprint})
-            os.makedirs(workdir, exist_ok=True)
-            with open(row_path, "w") as f:
-                json.dump(rows[-1], f)
-        print(json.dumps(rows[-1]), flush=True)
+        runs = []
+        for seed in seeds:
+            workdir = os.path.join(args.workdir, family, f"seed{seed}")
+            extra = [f"--config.train.seed={seed}", *args.overrides]
+            row_path = os.path.join(workdir, "row.json")
+            fingerprint = preset_fingerprint(presets, family, extra)
+            row = json.load(open(row_path)) if args.reuse and os.path.exists(row_path) else None
+            if row is not None and row.get("preset") != fingerprint:
+                print(f"{row_path} was trained from another preset; training {family} again", flush=True)
+                row = None
+            if row is not None:
+                reused.append(f"{family} seed {seed}")
+            else:
+                subprocess.run(["rm", "-rf", workdir])
+                seconds = time_limit(presets, family, args.time_limit)
+                row = {**run_family(family, workdir, extra, seconds), "preset": fingerprint, "seed": seed}
+                os.makedirs(workdir, exist_ok=True)
+                with open(row_path, "w") as f:
+                    json.dump(row, f)
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+        rows.append(seed_row(family, runs))
     body = table(rows, presets.BUDGET["steps"])
     print(body)
     if args.merge and not args.print_only and not args.overrides:
@@ -264,18 +288,22 @@ def main():
         for family, row in zip(families, body.split("\n")[2:]):
             settings = per_family("settings", presets.FAMILY_OVERRIDES, [family]) + per_family(
                 "training", presets.FAMILY_TRAINING, [family]) + own_limits(presets, [family])
-            stamp = (f"{family}: `python benchmarks/mqar.py --families={family} --merge` on {machine()}, {date}, "
-                     f"load average {load} at the end.{settings}")
+            seeds_flag = f" --seeds={args.seeds}" if args.seeds != "0,1,2" else ""
+            stamp = (f"{family}: `python benchmarks/mqar.py --families={family}{seeds_flag} --merge` on {machine()}, "
+                     f"{date}, load average {load} at the end.{settings}")
             text = merge_rows(text, "\n".join(body.split("\n")[:2] + [row]), stamp)
         with open(path, "w") as f:
             f.write(text)
         print(path)
     elif not args.print_only and not args.overrides:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        text = note(presets, families, limit, load)
+        text = note(presets, families, limit, load) + (
+            f" Each row trains seeds {args.seeds} (`train.seed`): the median accuracy, each seed's, and the median "
+            "run's time and steps.")
         if reused:
-            text += f" Rows reused from earlier invocations (`--reuse`): {', '.join(reused)}."
-        command = f"python benchmarks/mqar.py --families={','.join(families)}"
+            text += f" Runs reused from earlier invocations (`--reuse`): {', '.join(reused)}."
+        command = f"python benchmarks/mqar.py --families={','.join(families)}" + (
+            f" --seeds={args.seeds}" if args.seeds != "0,1,2" else "")
         print(write_results("mqar.md", "MQAR: multi-query associative recall", command, body, text))
 
 

@@ -226,3 +226,16 @@ def test_mqar_merge_replaces_or_appends_a_row_and_stamps_it():
     out = mqar.merge_rows(out, head + "| z | 4 |", "z: three.")
     assert out == ("# T\n\nNote.\n\n| family | a |\n|---|---|\n| x | 9 |\n| y | 2 |\n| z | 4 |\n\n"
                    "Merged row z: three.\nMerged row x: two.\n\nAfter.\n")
+
+
+def test_mqar_row_is_the_median_over_seeds_with_each_seed_shown():
+    mqar = load_script("mqar")
+    run = {"params_m": 0.35, "train_seconds": 60.0, "stopped_at_limit": False, "steps_total": 10}
+    runs = [{**run, "seed": 0, "accuracy": 0.99, "step": 10}, {**run, "seed": 1, "accuracy": 0.5, "step": 8},
+            {**run, "seed": 2, "accuracy": 0.97, "step": 9}]
+    row = mqar.seed_row("titans_lmm", runs)
+    assert row["accuracy"] == 0.97 and row["step"] == 9  # the median seed's run gives time and steps
+    assert mqar.table([row], 10).splitlines()[2] == (
+        "| titans_lmm | 97.0% | 99.0 / 50.0 / 97.0% (seeds 0,1,2) | 0.35M | 1.0 min | 9 of 10 |")
+    failed = mqar.seed_row("titans_lmm", runs[:2] + [{"seed": 2, "error": "boom"}])
+    assert "seed 2: boom" in mqar.table([failed], 10)
