@@ -136,9 +136,10 @@ def table(rows: list[dict], steps: int) -> str:
             reached = f"{r['step']} of {total}" + (" (time limit)" if r["stopped_at_limit"] else "")
             if r.get("steps_configured", total) > total:
                 reached += f" (time budget; preset {r['steps_configured']})"
-            seeds = " / ".join(f"{100 * a:.1f}" for _, a in sorted(r.get("seeds", {}).items()))
-            names = ",".join(str(s) for s in sorted(r.get("seeds", {})))
-            out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {seeds}% (seeds {names}) | "
+            by_seed = sorted(r.get("seeds", {}).items())
+            seeds = (" / ".join(f"{100 * a:.1f}" for _, a in by_seed) + "% (seeds "
+                     + ",".join(str(s) for s, _ in by_seed) + ")") if by_seed else ""
+            out.append(f"| {r['family']} | {100 * r['accuracy']:.1f}% | {seeds} | "
                        f"{r['params_m']:.2f}M | {r['train_seconds'] / 60:.1f} min | {reached} |")
     return "\n".join(out)
 
