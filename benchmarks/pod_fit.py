@@ -67,15 +67,22 @@ def run_row(family: str, preset: str, topology: str) -> dict:
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=_TIMEOUT.value)
         except subprocess.TimeoutExpired:
-            return dict(family=family, preset=preset, topology=topology, error=f"timeout after {_TIMEOUT.value} s")
+            return dict(family=family, preset=preset, topology=topology, per_chip=_PER_CHIP.value,
+                        error=f"timeout after {_TIMEOUT.value} s")
         if os.path.exists(out):
             with open(out) as f:
                 row = json.loads(f.read().splitlines()[-1])
         else:
             tail = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["no output"]
             row = dict(family=family, error=tail[0][:300])
-    row.update(preset=preset, topology=topology, wall_s=time.time() - began)
+    row.update(preset=preset, topology=topology, per_chip=_PER_CHIP.value, wall_s=time.time() - began)
     return row
+
+
+def row_key(row: dict) -> tuple:
+    """A row's identity: family, preset, topology and sequences per chip."""
+    per_chip = row.get("per_chip") or (row["batch"] // row["devices"] if row.get("batch") else _PER_CHIP.value)
+    return row["family"], row["preset"], row["topology"], per_chip
 
 
 def _gib(x) -> str:
@@ -112,6 +119,42 @@ def recommendations(rows: list[dict]) -> list[str]:
     return out
 
 
+def first_pass_rows(rows: list[dict]) -> list[str]:
+    """Hope's pass 1 (sequential passes over 16-token chunks) against the estimated step, per Hope row."""
+    from nlearn.models.hope import first_pass_traffic
+    from nlearn.train.compile import CHIPS
+
+    out = ["Hope's first pass: `T / min(cms.periods) - 1` sequential whole-model passes per window, each reading "
+           "every weight (forward and backward) and every sequence's float32 `Δ` (read twice, written once); "
+           "memory-bound, so its time is at least these bytes at HBM bandwidth (nlearn.models.hope."
+           "first_pass_traffic), added to the rest's roofline in the estimated step. Each preset's second row: "
+           "the documented cheaper setting, periods 4x longer (a quarter of the passes; the rest of the step as "
+           "compiled).", "",
+           "| preset | topology | seqs/chip | passes | GB per chip | pass 1 ms (at least) | est. step ms | share |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["family"] != "hope" or not r.get("n_params"):
+            continue
+        sys.path.insert(0, os.path.join(ROOT, "configs"))
+        import importlib
+
+        cfg = importlib.import_module("hope").get_config(r["preset"]).model
+        per_chip = row_key(r)[3]
+        passes, traffic = first_pass_traffic(cfg, r["n_params"], r["seq_len"], per_chip)
+        ms = traffic / CHIPS[r["topology"].split(":")[0]].hbm_bytes_per_s * 1e3
+        step = (r.get("step_time_s") or 0) * 1e3 + (0 if "serial_time_s" in r else ms)  # rows before it: add it
+        out.append(f"| {r['preset']} | {r['topology']} | {per_chip} | {passes} | {traffic / 1e9:.0f} | {ms:.0f} "
+                   f"| {step:.0f} | {ms / step:.0%} |")
+        variant = cfg.copy_and_resolve_references()
+        with variant.unlocked():
+            variant.cms.periods = tuple(4 * p for p in cfg.cms.periods)
+        v_passes, v_traffic = first_pass_traffic(variant, r["n_params"], r["seq_len"], per_chip)
+        v_ms = v_traffic / CHIPS[r["topology"].split(":")[0]].hbm_bytes_per_s * 1e3
+        out.append(f"| {r['preset']}, cms.periods={variant.cms.periods} | {r['topology']} | {per_chip} | {v_passes} "
+                   f"| {v_traffic / 1e9:.0f} | {v_ms:.0f} | {step - ms + v_ms:.0f} | {v_ms / (step - ms + v_ms):.0%} |")
+    return out
+
+
 def render(rows: list[dict], command: str) -> str:
     lines = [
         "# Pod fit: every family's paper presets compiled for TPU topologies on a CPU machine",
@@ -139,6 +182,10 @@ def render(rows: list[dict], command: str) -> str:
         "| FLOPs/chip (XLA matmuls) | ratio to flops.py | est. step ms | est. MFU | compile s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    size_of = {p: i for i, names in enumerate(SIZE_NAMES.values()) for p in names}
+    rows = sorted(rows, key=lambda r: (size_of.get(r["preset"], 9), r["topology"] != "v5e:4x4",
+                                       FAMILIES.index(r["family"]) if r["family"] in FAMILIES else 99,
+                                       -row_key(r)[3]))
     for r in rows:
         if r.get("error") and r.get("temp_bytes") is None:
             lines.append(f"| {r['family']} | {r['preset']} | {r['topology']} | | | | | | error | | | | | "
@@ -155,7 +202,7 @@ def render(rows: list[dict], command: str) -> str:
             f"| {'' if step is None else f'{step * 1e3:.0f}'} "
             f"| {'' if r.get('mfu') is None else format(r['mfu'], '.0%')} "
             f"| {r.get('compile_s', 0):.0f} |")
-    lines += ["", *recommendations(rows)]
+    lines += ["", *first_pass_rows(rows), "", *recommendations(rows)]
     done = {(r["family"], r["preset"], r["topology"]) for r in rows if not r.get("error") or r.get("temp_bytes")}
     missing = [f"{f}:{p} {t}" for s in SIZE_NAMES for t in ("v5e:4x4", "v5p:2x2x1") for f in FAMILIES
                for p in [preset_of(f, s)] if p and (f, p, t) not in done]
@@ -172,12 +219,12 @@ def main(argv):
     command = ("taskset -c 0 nice python benchmarks/pod_fit.py (rows missing from results/pod_fit.jsonl; "
                "--families/--sizes/--topologies pick which, --render_only rewrites the table)")
     if not _RENDER.value:
-        done = {(r["family"], r["preset"], r["topology"]) for r in rows}
+        done = {row_key(r) for r in rows}
         for size in _SIZES.value:
             for topology in _TOPOLOGIES.value:
                 for family in _FAMILIES.value:
                     preset = preset_of(family, size)
-                    if preset is None or (family, preset, topology) in done:
+                    if preset is None or (family, preset, topology, _PER_CHIP.value) in done:
                         continue
                     row = run_row(family, preset, topology)
                     rows.append(row)

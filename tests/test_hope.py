@@ -105,6 +105,25 @@ def test_two_pass_step_equals_the_sequential_reference(model, tokens):
         assert not np.array_equal(fast[i], fast[i - 1]), i
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_parallel_pass_from_factors_equals_fixed_deltas(tokens, scan):
+    """The training forward (pass 1's per-token factors, each period's Δ rebuilt inside the layer) equals the
+    parallel pass with the per-chunk Δ of `adapt` held fixed, with scan steps of 1 and 2 chunks and levels
+    whose periods are 1, 2 and 4 chunks."""
+    config = small(periods=(C, 2 * C, 4 * C), lr=(0.5, 0.3, 0.2), decay=(0.1,))
+    with config.unlocked():
+        config.model.scan_layers = scan
+    model = models.build(config)
+    graphdef, state = nnx.split(model)
+    fixed = jax.jit(lambda s, x: nnx.merge(graphdef, s).run(
+        x, deltas=model.per_period(nnx.merge(graphdef, s).adapt(x)), segmented=True)[0])
+    want = fixed(state, tokens)
+    for phases in (1, 2):
+        model.phases = phases
+        got = jitted(model)(tokens)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # the self-referential op's pass 1 compiles for minutes on 2 cores
 def test_two_pass_step_with_the_self_referential_mixer():
     """Hope's own mixer, whose state depends on the place in its period (8 tokens: two chunks per

@@ -30,7 +30,7 @@ def config_of(family, **model):
         return tiny(family, **model)
     config = tiny("hope", **model)
     with config.unlocked():
-        config.model.cms.update(dict(periods=(4, 8), lr=(0.5, 0.3)))
+        config.model.cms.update(dict(periods=(4, 8), lr=(0.5, 0.3), decay=(0.01,)))
         if family == "hope":
             config.model.hope.mixer = "attention"
         else:  # the op's chunks (2 and 8 tokens) cut the CMS chunks; pass 1 passes the stream position along

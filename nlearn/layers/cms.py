@@ -5,6 +5,12 @@ weights `θ_ℓ = θ_ℓ,0 + Δ_ℓ` keep learning in context, level ℓ every `
 model (`nlearn.models.hope`) carries. The update math is pure functions over plain pytrees:
 a level's `Δ` is `{"gate", "up", "down"}` with the kernels' shapes and a leading batch axis (and,
 in the parallel pass, a leading segment axis: one `Δ` per period of the level).
+
+A chunk's gradient w.r.t. a kernel used on every token is a sum of outer products, `Σ_t x_t ⊗ δ_t` of the
+kernel's inputs and the loss's gradients at its outputs, so the first pass hands the parallel pass these
+per-token factors (`{"z", "a", "gate", "up", "down"}`: `[B, T, D]`, `[B, T, F]` and the gradients at the
+three outputs) instead of one weight-sized `Δ` per chunk; the parallel pass rebuilds each period's `Δ` from
+them inside the (rematerialised) layer, so no layer's `Δ` stack outlives its own forward or backward.
 """
 
 from __future__ import annotations
@@ -45,6 +51,40 @@ def segment_apply(fn, z_BTD, delta_NB, period: int):
     return y.reshape(b, n * period, -1)[:, :t]
 
 
+def factor_grads(factors: dict) -> dict:
+    """The weight gradients `{"gate", "up", "down"}` of per-token factors (leaves `[..., T, ·]`): `Σ_t x_t ⊗ δ_t`
+    with x the kernel's input (`z` for gate and up, `a` for down) and δ the gradient at its output."""
+    def outer(x, g):
+        return jnp.einsum("...td,...tf->...df", x.astype(jnp.float32), g.astype(jnp.float32))
+
+    return {"gate": outer(factors["z"], factors["gate"]), "up": outer(factors["z"], factors["up"]),
+            "down": outer(factors["a"], factors["down"])}
+
+
+def deltas_from_factors(factors: dict, *, period: int, n_segments: int, lr: float, decay: float, dtype):
+    """One `Δ` per period (leaves `[n_segments, B, ...]`, in `dtype`) of a level that starts at 0 and takes
+    `Δ ← (1 − decay) Δ − lr Σ∇` at every period's end, its gradients given as per-token factors
+    (`factor_grads`; leaves `[B, T', ·]`, tokens past T' contributing nothing). A scan over the periods: the
+    weight-sized running `Δ` (float32) is the only per-sequence copy it keeps besides the stack it returns."""
+    t = factors["z"].shape[1]
+    pad = n_segments * period - t
+    if pad < 0:
+        raise ValueError(f"{t} tokens of factors need more than {n_segments} periods of {period}")
+    by_period = jax.tree.map(
+        lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(
+            x.shape[0], n_segments, period, x.shape[-1]), 1, 0), factors)  # [N, B, P, ·]
+
+    def step(delta, f):
+        new = factor_grads(f)
+        return jax.tree.map(lambda d, g: (1.0 - decay) * d - lr * g, delta, new), jax.tree.map(
+            lambda d: d.astype(dtype), delta)
+
+    b, d_model, width = factors["z"].shape[0], factors["z"].shape[-1], factors["a"].shape[-1]
+    zero = {"gate": jnp.zeros((b, d_model, width), jnp.float32), "up": jnp.zeros((b, d_model, width), jnp.float32),
+            "down": jnp.zeros((b, width, d_model), jnp.float32)}
+    return jax.lax.scan(step, zero, by_period)[1]
+
+
 def accumulate_and_update(delta: list, gsum: list, grads: list, *, lrs, periods, pos, decays=None):
     """One chunk's gradients in: `gsum += grads`; every level whose period divides `pos` (the
     number of tokens seen, a chunk boundary) takes `Δ ← (1 − decay) Δ − lr Σ∇` and restarts its sum.
@@ -76,6 +116,11 @@ class CMSLevel(nnx.Module):
     def zero_delta(self, batch: int) -> dict:
         return {name: jnp.zeros((batch,) + w.shape, jnp.float32) for name, w in self.weights0().items()}
 
+    def zero_probes(self, batch: int, tokens: int) -> dict:
+        """Zeros added to the three kernels' outputs (`probed`), whose gradients are the factors' δ."""
+        w = self.weights0()
+        return {name: jnp.zeros((batch, tokens, w[name].shape[1]), jnp.float32) for name in KERNELS}
+
     def __call__(self, h_BTD, delta=None, period: int | None = None):
         """`delta`: None (static), `{kernel: [B, ...]}` for all T tokens, or `{kernel: [N, B, ...]}`
         with one Δ per `period` tokens."""
@@ -86,6 +131,19 @@ class CMSLevel(nnx.Module):
         else:
             y = segment_apply(lambda zz, dd: swiglu_with_delta(w0, dd, zz), z, delta, period)
         return h_BTD + y
+
+    def probed(self, h_BTD, delta, probe: dict):
+        """The level with `delta` (`[B, ...]`) and `probe[kernel]` added to each kernel's output; also the
+        kernels' inputs `{"z", "a"}` (the gradient w.r.t. `probe` completes the factors)."""
+        z = self.norm(h_BTD)
+        w0 = self.weights0()
+
+        def mm(x, name):
+            y = x @ w0[name].astype(x.dtype) + jnp.einsum("...td,...df->...tf", x, delta[name].astype(x.dtype))
+            return y + probe[name].astype(y.dtype)
+
+        a = jax.nn.silu(mm(z, "gate")) * mm(z, "up")
+        return h_BTD + mm(a, "down"), {"z": z, "a": a}
 
 
 class ContinuumMemory(nnx.Module):
@@ -112,4 +170,24 @@ class ContinuumMemory(nnx.Module):
         for i, level in enumerate(self.levels):
             d = None if deltas is None else deltas[i]
             h_BTD = level(h_BTD, d, self.periods[i] if segmented else None)
+        return h_BTD
+
+    def zero_probes(self, batch: int, tokens: int) -> list:
+        return [level.zero_probes(batch, tokens) for level in self.levels]
+
+    def probed(self, h_BTD, deltas: list, probes: list):
+        """Every level `probed`: the output and, per level, the kernels' inputs `{"z", "a"}`."""
+        records = []
+        for level, d, p in zip(self.levels, deltas, probes):
+            h_BTD, record = level.probed(h_BTD, d, p)
+            records.append(record)
+        return h_BTD, records
+
+    def from_factors(self, h_BTD, factors: list):
+        """The parallel pass: each level with one `Δ` per period rebuilt from the first pass's per-token
+        factors (a list over levels, leaves `[B, T', ·]`)."""
+        for level, f, period, lr, decay in zip(self.levels, factors, self.periods, self.lrs, self.decays):
+            n = -(-h_BTD.shape[1] // period)
+            delta = deltas_from_factors(f, period=period, n_segments=n, lr=lr, decay=decay, dtype=h_BTD.dtype)
+            h_BTD = level(h_BTD, delta, period)
         return h_BTD

@@ -28,7 +28,8 @@ import optax
 from flax import nnx
 
 from nlearn.errors import UserError
-from nlearn.layers.cms import ORDERS, UPDATES, ContinuumMemory, accumulate_and_update
+from nlearn.layers.cms import (ORDERS, UPDATES, ContinuumMemory, accumulate_and_update, deltas_from_factors,
+                                factor_grads)
 from nlearn.layers.core import RMSNorm, swiglu_width
 from nlearn.models.registry import register
 from nlearn.models.lm import REMAT_POLICIES, LanguageModel, per_layer, scan_layers
@@ -36,6 +37,11 @@ from nlearn.models.self_referential import MIGRATIONS as SELF_REFERENTIAL_MIGRAT
 from nlearn.models import flops
 
 MIXERS = ("self_referential", "attention")
+
+
+def _is_level_factors(x) -> bool:
+    """A CMS level's factors (`nlearn.layers.cms`): the leaf of a map over levels."""
+    return isinstance(x, dict) and "z" in x
 
 
 def cms_config(**overrides) -> ml_collections.ConfigDict:
@@ -67,6 +73,18 @@ def level_widths(cfg) -> tuple:
         return tuple(int(w) for w in cfg.cms.widths)
     total, k = swiglu_width(cfg.d_model, cfg.mlp_dim), len(cfg.cms.periods)
     return tuple(total // k + (i < total % k) for i in range(k))
+
+
+def first_pass_traffic(cfg, n_params: int, seq_len: int, sequences: int) -> tuple[int, float]:
+    """`(passes, bytes)`: pass 1's sequential whole-model passes over one window and a lower bound on the HBM
+    bytes they move per device for `sequences` sequences: each pass reads every weight twice (the chunk's
+    forward and its backward to `Δ`, in the compute dtype) and each sequence's float32 `Δ` three times (read
+    forward and backward, written by the update). Memory-bound: a pass multiplies `sequences x chunk` rows
+    by each weight, far below a TPU's FLOP/byte ridge."""
+    passes = -(-seq_len // min(cfg.cms.periods)) - 1
+    delta = cfg.num_layers * sum(3 * cfg.d_model * w for w in level_widths(cfg)) * 4
+    weight = 2 * n_params * np.dtype(cfg.dtype).itemsize
+    return passes, float(passes * (weight + 3 * sequences * delta))
 
 
 def _fail(key: str, value, why: str):
@@ -135,8 +153,16 @@ class HopeBlock(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return self.mixer.init_cache(batch, max_len, dtype)
 
-    def __call__(self, x_BTD, cache=None, deltas=None, segmented: bool = False):
+    def __call__(self, x_BTD, cache=None, deltas=None, segmented: bool = False, probes=None, factors=None):
+        """`deltas` as `ContinuumMemory` takes them; with `probes` (pass 1) the cache comes back with the
+        CMS's kernel inputs, `(cache, records)`; with `factors` (pass 2) each level's `Δ` per period is
+        rebuilt from them."""
         y, cache = self.mixer(self.mixer_norm(x_BTD), cache)
+        if probes is not None:
+            h, records = self.cms.probed(x_BTD + y, deltas, probes)
+            return h, (cache, records)
+        if factors is not None:
+            return self.cms.from_factors(x_BTD + y, factors), cache
         return self.cms(x_BTD + y, deltas, segmented), cache
 
 
@@ -164,23 +190,29 @@ class HopeModel(LanguageModel):
         """The first block's CMS (every block's periods and rates are the same)."""
         return self.layers.cms if self.scanned else self.blocks[0].cms
 
-    def run(self, tokens_BT, caches=None, deltas=None, segmented: bool = False):
-        """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period). The training
-        forward (no caches) rematerialises each block when `model.remat` is on, as the other families do."""
+    def run(self, tokens_BT, caches=None, deltas=None, segmented: bool = False, probes=None, factors=None):
+        """Logits and new caches with fixed `Δ` (None: `θ0`; segmented: one `Δ` per period), or with each
+        period's `Δ` rebuilt from pass 1's `factors`; with `probes` the caches come back as `(caches, records)`
+        (`HopeBlock`). The training forward (no caches) rematerialises each block when `model.remat` is on, as
+        the other families do."""
         x = self.embed(tokens_BT, self.embed.table[...].dtype)
         remat, policy = self.remat and caches is None, REMAT_POLICIES[self.remat_policy]
+
+        def apply(block, h, xs):
+            cache, delta, probe, factor = xs
+            return block(h, cache, delta, segmented, probe, factor)
+
         if self.scanned:
-            x, new_caches = scan_layers(self.layers, lambda block, h, cd: block(h, *cd, segmented), x,
-                                        (caches, deltas), remat=remat, policy=policy)
+            x, new_caches = scan_layers(self.layers, apply, x, (caches, deltas, probes, factors), remat=remat,
+                                        policy=policy)
             return self._logits(x), new_caches
         new_caches = []
         for i, block in enumerate(self.blocks):
-            delta = None if deltas is None else deltas[i]
+            xs = tuple(None if z is None else z[i] for z in (caches, deltas, probes, factors))
             if remat:
-                x, cache = nnx.remat(lambda blk, h, d: (blk(h, None, d, segmented)[0], None), policy=policy)(
-                    block, x, delta)
+                x, cache = nnx.remat(lambda blk, h, z: (apply(blk, h, z)[0], None), policy=policy)(block, x, xs)
             else:
-                x, cache = block(x, None if caches is None else caches[i], delta, segmented)
+                x, cache = apply(block, x, xs)
             new_caches.append(cache)
         return self._logits(x), new_caches
 
@@ -189,14 +221,35 @@ class HopeModel(LanguageModel):
             return per_layer(self.layers, lambda block: block.cms.zero_delta(batch))
         return [block.cms.zero_delta(batch) for block in self.blocks]
 
+    def zero_probes(self, batch: int, tokens: int) -> list:
+        if self.scanned:
+            return per_layer(self.layers, lambda block: block.cms.zero_probes(batch, tokens))
+        return [block.cms.zero_probes(batch, tokens) for block in self.blocks]
+
+    def chunk_factors(self, tokens_BC, targets_BC, caches, deltas):
+        """`(factors, caches after the chunk)`: per level the kernels' inputs and the gradients of the chunk's
+        summed next-token loss at their outputs (`nlearn.layers.cms`), the chunk read from `caches` (a
+        constant) with `deltas`."""
+        b, c = tokens_BC.shape
+
+        def loss(probes):
+            logits, out = self.run(tokens_BC, caches, deltas, probes=probes)
+            if self.scanned:
+                new_caches, records = out
+            else:
+                new_caches, records = [o[0] for o in out], [o[1] for o in out]
+            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets_BC)), (new_caches, records)
+
+        grads, (new_caches, records) = jax.grad(loss, has_aux=True)(self.zero_probes(b, c))
+        merge = lambda r, g: {**r, **g}  # noqa: E731
+        if self.scanned:
+            return [merge(r, g) for r, g in zip(records, grads)], new_caches
+        return [[merge(r, g) for r, g in zip(rb, gb)] for rb, gb in zip(records, grads)], new_caches
+
     def chunk_grads(self, tokens_BC, targets_BC, caches, deltas):
         """`(∇_Δ Σ_t ℓ_NTP(t), caches after the chunk)`: the chunk read from `caches` (a constant)."""
-
-        def loss(d):
-            logits, new_caches = self.run(tokens_BC, caches, d)
-            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets_BC)), new_caches
-
-        return jax.grad(loss, has_aux=True)(deltas)
+        factors, caches = self.chunk_factors(tokens_BC, targets_BC, caches, deltas)
+        return jax.tree.map(factor_grads, factors, is_leaf=_is_level_factors), caches
 
     def learn(self, deltas, gsums, grads, pos):
         """Add one chunk's gradients; levels whose period divides `pos` (tokens seen) update."""
@@ -206,12 +259,15 @@ class HopeModel(LanguageModel):
         out = [accumulate_and_update(d, s, g, **rule) for d, s, g in zip(deltas, gsums, grads)]
         return [o[0] for o in out], [o[1] for o in out]
 
-    def adapt(self, tokens_BT):
-        """Pass 1: the `Δ` each chunk of `self.chunk` tokens uses, leaves `[n_chunks, B, ...]`,
-        a constant to the outer loss (the parameters enter under stop_gradient).
+    def first_pass(self, tokens_BT) -> list:
+        """Pass 1: per level the per-token factors of the gradients that move `Δ` (`nlearn.layers.cms`), leaves
+        `[B, T', ·]` (scanned: `[L, B, T', ·]`), T' the tokens of the window's chunks but the last; a constant
+        to the outer loss (the parameters enter under stop_gradient).
 
         A scan step walks `self.phases` chunks, one mixer period, so each chunk's place in the
-        mixer's period is known when tracing and the mixer computes only the chunks it touches."""
+        mixer's period is known when tracing and the mixer computes only the chunks it touches. The scan
+        carries one `Δ` and one running sum per sequence, and emits only factors: no weight-sized copy per
+        chunk."""
         b, t = tokens_BT.shape
         c, k = self.chunk, self.phases
         n = -(-t // c)
@@ -219,7 +275,7 @@ class HopeModel(LanguageModel):
         frozen = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, state))
         delta0 = frozen.zero_delta(b)
         if n == 1:
-            return jax.tree.map(lambda d: d[None], delta0)
+            return self._no_factors(b)
         steps = -(-(n - 1) // k)  # the n - 1 chunks whose gradients reach a later chunk of this window
         m = (n - 1) * c  # tokens[:, m] is the last target they need
         padded = jnp.pad(tokens_BT[:, :m + 1], ((0, 0), (0, (steps * k - n + 1) * c)))
@@ -232,21 +288,55 @@ class HopeModel(LanguageModel):
             for j in range(k):
                 def chunk(carry, j=j):
                     caches, deltas, gsums = carry
-                    grads, caches = frozen.chunk_grads(x[j], y[j], frozen.at_phase(caches, j * c), deltas)
+                    factors, caches = frozen.chunk_factors(x[j], y[j], frozen.at_phase(caches, j * c), deltas)
+                    grads = jax.tree.map(factor_grads, factors, is_leaf=_is_level_factors)
                     deltas, gsums = frozen.learn(deltas, gsums, grads, (s * k + j + 1) * c)
-                    return caches, deltas, gsums
+                    return (caches, deltas, gsums), factors
 
                 if (n - 1) % k and j >= (n - 1) % k:  # past the window's last chunk in the last step
-                    carry = jax.lax.cond(s * k + j < n - 1, chunk, lambda cc: cc, carry)
+                    shapes = jax.eval_shape(chunk, carry)[1]
+                    carry, factors = jax.lax.cond(
+                        s * k + j < n - 1, chunk,
+                        lambda cc: (cc, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)), carry)
                 else:
-                    carry = chunk(carry)
-                out.append(carry[1])
-            return carry, jax.tree.map(lambda *d: jnp.stack(d), *out)
+                    carry, factors = chunk(carry)
+                out.append(factors)
+            return carry, jax.tree.map(lambda *f: jnp.stack(f), *out)
 
         caches = frozen.init_mixer_caches(b, steps * k * c)
-        _, later = jax.lax.scan(body, (caches, delta0, delta0), (jnp.arange(steps, dtype=jnp.int32), xs, ys))
-        later = jax.tree.map(lambda d: d.reshape((steps * k,) + d.shape[2:])[:n - 1], later)
-        return jax.tree.map(lambda d0, ds: jnp.concatenate([d0[None], ds]), delta0, later)
+        _, factors = jax.lax.scan(body, (caches, delta0, delta0), (jnp.arange(steps, dtype=jnp.int32), xs, ys))
+        # [steps, k, (L,) B, c, ·] -> [(L,) B, steps * k * c, ·], cut to the n - 1 chunks
+        return jax.tree.map(lambda f: jnp.moveaxis(f, (0, 1), (-4, -3)).reshape(
+            f.shape[2:-2] + (steps * k * c, f.shape[-1]))[..., :m, :], factors)
+
+    def _no_factors(self, batch: int) -> list:
+        """Factors of no tokens (a window of one chunk: nothing reaches a later chunk)."""
+        def level(probes):
+            z = jnp.zeros(probes["down"].shape[:-2] + (0, probes["down"].shape[-1]), jnp.float32)
+            a = jnp.zeros(probes["gate"].shape[:-2] + (0, probes["gate"].shape[-1]), jnp.float32)
+            return {"z": z, "a": a, "gate": a, "up": a, "down": z}
+
+        return jax.tree.map(level, self.zero_probes(batch, 1), is_leaf=lambda x: isinstance(x, dict))
+
+    def adapt(self, tokens_BT):
+        """The `Δ` each chunk of `self.chunk` tokens uses, leaves `[n_chunks, B, ...]` (scanned
+        `[n_chunks, L, B, ...]`), rebuilt from `first_pass` as the parallel pass does; for inspection
+        and tests (training never holds it)."""
+        t, c = tokens_BT.shape[1], self.chunk
+        n = -(-t // c)
+        factors = self.first_pass(tokens_BT)
+        cms = self.cms
+
+        def per_chunk(f, period, lr, decay):
+            stack = deltas_from_factors(f, period=period, n_segments=-(-t // period), lr=lr, decay=decay,
+                                        dtype=jnp.float32)
+            return jax.tree.map(lambda d: d[np.arange(n) * c // period], stack)
+
+        rule = list(zip(cms.periods, cms.lrs, cms.decays))
+        if self.scanned:  # layers vmapped: leaves [L, B, T', ·] -> [n, L, B, ...]
+            return [jax.tree.map(lambda d: jnp.moveaxis(d, 0, 1), jax.vmap(
+                lambda ff, r=r: per_chunk(ff, *r))(f)) for f, r in zip(factors, rule)]
+        return [[per_chunk(f, *r) for f, r in zip(block_f, rule)] for block_f in factors]
 
     def at_phase(self, caches, pos: int):
         """The mixers' caches told their stream position within a period as a Python int (pass 1
@@ -272,7 +362,7 @@ class HopeModel(LanguageModel):
     def __call__(self, tokens_BT):
         if self.update == "none":
             return self.run(tokens_BT)[0]
-        return self.run(tokens_BT, deltas=self.per_period(self.adapt(tokens_BT)), segmented=True)[0]
+        return self.run(tokens_BT, factors=self.first_pass(tokens_BT))[0]
 
     def init_mixer_caches(self, batch: int, max_len: int, dtype=None):
         return super().init_cache(batch, max_len, dtype or self.embed.table[...].dtype)

@@ -110,6 +110,8 @@ class Report:
     error: str = ""  # the compiler's refusal (e.g. out of HBM)
     largest: list = dataclasses.field(default_factory=list)  # the largest buffers (XLA's, else the program's arrays)
     device_arrays: list = dataclasses.field(default_factory=list)  # the compiled program's largest, per device
+    serial_passes: int = 0  # Hope's pass 1: sequential whole-model passes per micro-batch (0: none)
+    serial_bytes: float = 0.0  # their HBM traffic per device and step, a lower bound (nlearn.models.hope)
 
     @property
     def total_bytes(self) -> float | None:
@@ -118,10 +120,16 @@ class Report:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
     def step_time(self, chip: Chip | None) -> float | None:
-        """Roofline: the larger of the matmul FLOPs at peak and XLA's bytes accessed at HBM bandwidth."""
+        """Roofline: the larger of the matmul FLOPs at peak and XLA's bytes accessed at HBM bandwidth, plus
+        Hope's sequential pass 1 at HBM bandwidth (memory-bound, and done before the rest can start)."""
         if chip is None or self.hlo_matmul_flops is None:
             return None
-        return max(self.hlo_matmul_flops / chip.peak_bf16_flops, (self.bytes_accessed or 0) / chip.hbm_bytes_per_s)
+        return (max(self.hlo_matmul_flops / chip.peak_bf16_flops, (self.bytes_accessed or 0) / chip.hbm_bytes_per_s)
+                + self.serial_bytes / chip.hbm_bytes_per_s)
+
+    def serial_time(self, chip: Chip | None) -> float | None:
+        """Hope's pass 1 alone at HBM bandwidth (None without one or without a chip)."""
+        return None if chip is None or not self.serial_passes else self.serial_bytes / chip.hbm_bytes_per_s
 
     def mfu(self, chip: Chip | None) -> float | None:
         t = self.step_time(chip)
@@ -178,6 +186,13 @@ def compile_step(config, topology: str = "cpu") -> Report:
                     config.model.dtype, setup.n_params, per_device_bytes(setup.abstract_state["params"]),
                     per_device_bytes(setup.abstract_state["opt_state"]), None, chip.hbm_bytes if chip else None,
                     analytic_flops=analytic)
+    if config.model.family == "hope" and config.model.cms["update"] == "ntp":
+        from nlearn.models.hope import first_pass_traffic
+
+        shards = report.mesh.get("data", 1) * report.mesh.get("fsdp", 1)
+        per_device = max(1, t.batch_size // (t.grad_accum * shards))
+        report.serial_passes, serial = first_pass_traffic(config.model, setup.n_params, t.seq_len, per_device)
+        report.serial_bytes = serial * t.grad_accum
     began, lowered = time.perf_counter(), None
     try:
         lowered = mesh_lib.in_mesh_context(lambda: jitted.lower(setup.abstract_state, batch), setup.mesh,
@@ -282,6 +297,11 @@ def describe(report: Report) -> str:
         t = report.step_time(chip)
         lines.append(f"estimated step time {t * 1e3:.1f} ms (roofline: {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
                      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s HBM; collectives not counted), MFU {report.mfu(chip):.1%}")
+        if report.serial_passes:
+            serial = report.serial_time(chip)
+            lines.append(f"of which Hope's pass 1: {report.serial_passes} sequential passes per window, at least "
+                         f"{report.serial_bytes / 1e9:.0f} GB HBM traffic per device (every weight and each "
+                         f"sequence's Δ per pass): >= {serial * 1e3:.1f} ms, {serial / t:.0%} of the step")
     if report.xla_flops is not None:  # XLA compiled it (over HBM or not)
         kinds = ", ".join(f"{k} {v}" for k, v in report.collectives.items()) or "none"
         lines.append(f"collectives in the program (a loop body counted once): {kinds}")
@@ -298,7 +318,8 @@ def as_row(report: Report) -> dict:
     """A JSON-able record of the report, with the derived figures."""
     chip = CHIPS.get(report.topology.partition(":")[0])
     row = dataclasses.asdict(report)
-    row.update(total_bytes=report.total_bytes, step_time_s=report.step_time(chip), mfu=report.mfu(chip))
+    row.update(total_bytes=report.total_bytes, step_time_s=report.step_time(chip), mfu=report.mfu(chip),
+               serial_time_s=report.serial_time(chip))
     return row
 
 
