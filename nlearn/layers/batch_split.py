@@ -30,7 +30,8 @@ def split_like(batch_sharding: NamedSharding | None):
         _BATCH.reset(token)
 
 
-def _size(mesh, axes) -> int:
+def axes_size(mesh, axes) -> int:
+    """Devices along mesh axis `axes` (a name, a tuple of names, or None: 1)."""
     if axes is None:
         return 1
     return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
@@ -42,7 +43,7 @@ def constrain(x_BT):
     sharding = _BATCH.get()
     if sharding is None or x_BT.ndim < 2 or sharding.mesh.size == 1:
         return x_BT
-    axes = [a if dim % _size(sharding.mesh, a) == 0 else None
+    axes = [a if dim % axes_size(sharding.mesh, a) == 0 else None
             for dim, a in zip(x_BT.shape[:2], tuple(sharding.spec) + (None,) * 2)]
     if all(a is None for a in axes):
         return x_BT

@@ -164,10 +164,15 @@ def _step(config, devices):
     return setup, jitted, batch
 
 
+def _arrays(hlo_text: str, k: int, where: str = "") -> list[str]:
+    """The program's `k` largest arrays as `shape (GiB[where], op)`."""
+    return [f"{shape} ({b / GIB:.2f} GiB{where}{'' if op == '?' else ', ' + op})"
+            for b, shape, op in hlo.largest_arrays(hlo_text, k)]
+
+
 def _largest(lowered, n: int) -> list[str]:
     """The lowered program's largest arrays, whole-batch shapes."""
-    return [f"{shape} ({b / GIB:.2f} GiB before splitting over {n} devices{'' if op == '?' else ', ' + op})"
-            for b, shape, op in hlo.largest_arrays(lowered.as_text(dialect="hlo"))]
+    return _arrays(lowered.as_text(dialect="hlo"), 5, f" before splitting over {n} devices")
 
 
 def compile_step(config, topology: str = "cpu") -> Report:
@@ -230,8 +235,7 @@ def compile_step(config, topology: str = "cpu") -> Report:
     report.bytes_accessed = float(cost.get("bytes accessed", 0.0))
     compiled_text = compiled.as_text()
     report.collectives = hlo.collectives(compiled_text)
-    report.device_arrays = [f"{shape} ({b / GIB:.2f} GiB{'' if op == '?' else ', ' + op})"
-                            for b, shape, op in hlo.largest_arrays(compiled_text, 3)]
+    report.device_arrays = _arrays(compiled_text, 3)
     if chip:
         report.fits = report.total_bytes <= chip.hbm_bytes
     if report.fits is False:  # compiled, but over the chip's HBM: name the program's largest arrays

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from nlearn.errors import UserError
+from nlearn.layers.batch_split import axes_size
 
 AXES = ("data", "fsdp", "tensor", "sequence")
 
@@ -41,20 +42,13 @@ def rules_table(config) -> dict:
             for name, axis in json.loads(config.mesh.rules)}
 
 
-def _mesh_size(mesh, axis) -> int:
-    if axis is None:
-        return 1
-    names = axis if isinstance(axis, tuple) else (axis,)
-    return math.prod(mesh.shape[a] for a in names)
-
-
 def spec_for(shape, logical_axes, rules: dict, mesh) -> P:
     """PartitionSpec of an array whose dims carry `logical_axes` (unknown/indivisible: replicated)."""
     out, used = [], set()
     for dim, name in zip(shape, logical_axes or (None,) * len(shape)):
         axis = rules.get(name) if name is not None else None
         names = axis if isinstance(axis, tuple) else ((axis,) if axis else ())
-        if axis is None or dim % _mesh_size(mesh, axis) or used & set(names):
+        if axis is None or dim % axes_size(mesh, axis) or used & set(names):
             out.append(None)
         else:
             out.append(axis)
