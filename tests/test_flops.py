@@ -58,7 +58,8 @@ def test_titans_mac_tiny_by_hand():
                     (b, f, d), (b, f, d), (b, d, f), (b, f, d),  # X2 W2 (keys), X̄2 W2, δ2 W2ᵀ, X̄2 U2
                     (b, f, b), (b, b, d),  # dual read, layer 2
                     (f, b, 2 * d),  # W2 and U2 after the mini-batch
-                    (b, b, b), (b, b, b), (b, b, b))  # decay and momentum transfer matrices, their product
+                    (b, b, b), (b, b, b), (b, b, b),  # decay and momentum transfer matrices, their product
+                    (b, d, b), (b, f, b))  # the "overlap" step's Gram matrices of the two layers' inputs
     lmm_per_segment = heads * (seg // b) * 3 * minibatch
     mixer = (T // seg) * (3 * per_segment_fwd + lmm_per_segment)
     expected = 6 * dense + layers * mixer / T

@@ -93,16 +93,25 @@ def mlp(theta, x_BHd):
     return jnp.einsum("bhf,bhfo->bho", gelu(jnp.einsum("bhd,bhdf->bhf", x_BHd, w1)), w2)
 
 
-@partial(jax.jit, static_argnames=("bounded", "b"))  # (compiled once: eager autodiff per token is slow)
-def write_read(theta, U, anchor, q, k, v, eta, mu, alpha, bounded=False, b=1):
+@partial(jax.jit, static_argnames=("step", "b"))  # (compiled once: eager autodiff per token is slow)
+def write_read(theta, U, anchor, q, k, v, eta, mu, alpha, step="paper", b=1, batch_keys=None):
     """One token: the gradient of ½‖f(k) − v‖² at the mini-batch's start state, U_t = μ U − η g,
-    θ_t = (1 − α) θ + U_t, then the read f(q; θ_t). Bounded: η (1 − μ) / b and layer i's gradient over
-    1 + ‖x_i‖², x_1 = k and x_2 = gelu(k W_1) at the start state."""
+    θ_t = (1 − α) θ + U_t, then the read f(q; θ_t). Layer inputs at the start state: x_1 = k, x_2 = gelu(k W_1).
+    "bounded": η (1 − μ) / b and layer i's gradient over 1 + ‖x_i‖²; "ema+overlap": η (1 − μ) and layer i's
+    gradient over 1 + Σ_j |x_i · x_i(k_j)| over the mini-batch's keys so far (`batch_keys [b, B, H, K]`, this one
+    included, zeros after it: a zero key has zero inputs)."""
     grads = jax.grad(lambda th: 0.5 * jnp.sum((mlp(th, k) - v) ** 2))(anchor)
-    if bounded:
+    inputs = lambda kk: (kk, gelu(jnp.einsum("bhd,bhdf->bhf", kk, anchor[0])))  # noqa: E731
+    if step == "bounded":
         eta = eta * (1.0 - mu) / b
-        xs = (k, gelu(jnp.einsum("bhd,bhdf->bhf", k, anchor[0])))
-        grads = tuple(g / (1.0 + jnp.sum(x * x, -1))[..., None, None] for g, x in zip(grads, xs))
+        grads = tuple(g / (1.0 + jnp.sum(x * x, -1))[..., None, None] for g, x in zip(grads, inputs(k)))
+    elif step == "ema+overlap":
+        eta = eta * (1.0 - mu)
+        earlier = [inputs(batch_keys[j]) for j in range(b)]
+        grads = tuple(g / (1.0 + sum(jnp.abs(jnp.sum(x * e[i], -1)) for e in earlier))[..., None, None]
+                      for i, (g, x) in enumerate(zip(grads, inputs(k))))
+    else:
+        assert step == "paper", step
     U = tuple(mu * u - eta * g for u, g in zip(U, grads))
     theta = tuple((1.0 - alpha) * w + u for w, u in zip(theta, U))
     return theta, U, mlp(theta, q)
@@ -117,7 +126,7 @@ class Memory:
         self.convs = [Conv(lmm.convs[i] if len(lmm.convs) else None, H * K) for i in range(3)]
         self.theta = tuple(jnp.broadcast_to(arr(w), (B,) + w.shape) for w in lmm.weights0)
         self.U = tuple(jnp.zeros_like(w) for w in self.theta)
-        self.anchor = self.theta
+        self.anchor, self.batch_keys = self.theta, []
         self.t = 0
 
     def __call__(self, u_BD):
@@ -128,9 +137,11 @@ class Memory:
         mu = sigmoid(dense(lmm.momentum_gate, u_BD))[..., None, None]
         alpha = sigmoid(dense(lmm.decay_gate, u_BD))[..., None, None]
         if self.t % mem.minibatch == 0:  # a mini-batch starts: its gradients are taken here
-            self.anchor = self.theta
+            self.anchor, self.batch_keys = self.theta, []
+        self.batch_keys.append(k)
+        padded = jnp.stack(self.batch_keys + [jnp.zeros_like(k)] * (mem.minibatch - len(self.batch_keys)))
         self.theta, self.U, read = write_read(self.theta, self.U, self.anchor, q, k, v, eta, mu, alpha,
-                                              mem.inner_step == "bounded", mem.minibatch)
+                                              mem.inner_step, mem.minibatch, padded)
         self.t += 1
         o = rms(lmm.out_norm, read, self.cfg.norm_eps)  # [B, H, K]
         if lmm.o is None:

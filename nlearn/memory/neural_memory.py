@@ -49,8 +49,13 @@ layer's input h is ‖h‖², which nothing bounds. The parts, each a change of 
     normalized:  per layer, token t's gradient (and DGD term) over 1 + ‖x_t‖², x_t that layer's
                  input at the mini-batch start (the normalised-LMS step): the last layer's write then
                  moves its output toward the target by a fraction η_t‖x‖²/(1 + ‖x‖²) < η_t.
-With all three, a mini-batch moves the last layer's output by less than max η of its error, so for
-η ≤ 1 no write can overshoot (docs/paper_notes.md).
+    overlap:     per layer, over 1 + Σ_j |x_t·x_j|, j the tokens of t's mini-batch up to t itself (so
+                 ‖x_t‖² and the overlap with the earlier inputs; b = 1: "normalized"). Orthogonal inputs
+                 each take a full normalised step, b inputs that point alike share about one: the
+                 summed mini-batch stays bounded without averaging away a lone token's write.
+With mean, ema and normalized, a mini-batch moves the last layer's output by less than max η of its
+error, so for η ≤ 1 no write can overshoot (docs/paper_notes.md). The Titans default is "ema+overlap"
+("bounded", the three above, averages a lone token's write down by b: MQAR does not recall with it).
 
 Two implementations with the same semantics:
 - impl="recurrent": per-token `jax.grad` of the inner loss inside `lax.scan`; any inner model or
@@ -113,8 +118,8 @@ ACTIVATIONS: dict[str, Callable] = {
 IMPLS = ("chunked", "recurrent")
 
 # The parts of a bounded inner step (see `inner_step` in the module docstring); "paper" is none of them.
-STEP_PARTS = ("mean", "ema", "normalized")
-STEP_ALIASES = {"paper": (), "bounded": STEP_PARTS}
+STEP_PARTS = ("mean", "ema", "normalized", "overlap")
+STEP_ALIASES = {"paper": (), "bounded": ("mean", "ema", "normalized")}
 
 
 def step_parts(inner_step: str) -> frozenset:
@@ -126,18 +131,22 @@ def step_parts(inner_step: str) -> frozenset:
     if bad or len(set(parts)) != len(parts):
         raise ValueError(f"unknown inner_step {inner_step!r}; valid: {sorted(STEP_ALIASES)} or parts of "
                          f"{list(STEP_PARTS)} joined by '+'")
+    if {"normalized", "overlap"} <= set(parts):
+        raise ValueError(f"inner_step {inner_step!r}: 'overlap' already includes 'normalized'; pick one")
     return frozenset(parts)
 
 
 class NeuralMemoryState(NamedTuple):
     """Streaming state: weights θ and momentum U (tuples of `[B, H, d_in, d_out]`), the state where
     the current mini-batch started, and the position in that mini-batch (int32 scalar, 0 = the next
-    token starts a new mini-batch and `theta_start` is unused)."""
+    token starts a new mini-batch and `theta_start` is unused); with the "overlap" step also the keys
+    `[B, H, b, Dk]` of the current mini-batch so far (None otherwise)."""
 
     theta: tuple
     U: tuple
     theta_start: tuple
     pos: jax.Array
+    keys: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +163,12 @@ class _Spec:
 
     @property
     def normalized(self) -> bool:
-        return "normalized" in self.step
+        """Whether each token's step is over a divisor of its layer inputs ("normalized" or "overlap")."""
+        return "normalized" in self.step or "overlap" in self.step
+
+    @property
+    def overlap(self) -> bool:
+        return "overlap" in self.step and self.minibatch > 1
 
 
 def _make_spec(activation, residual, objective, optimizer, minibatch, *, precision=HIGHEST, bias=False,
@@ -184,6 +198,12 @@ def _step_gates(spec: _Spec, eta, mu):
 def _input_scale(x):
     """1 / (1 + ‖x‖²) per token of a layer input x [..., d] (the normalised-LMS step's divisor)."""
     return 1.0 / (1.0 + jnp.sum(jnp.square(x), axis=-1))
+
+
+def _overlap_scale(dots, mask):
+    """1 / (1 + Σ_j |x·x_j|) from `dots [..., b]` of an input with its mini-batch's inputs, `mask` marking
+    the j up to the input itself (the "overlap" step's divisor)."""
+    return 1.0 / (1.0 + jnp.sum(jnp.abs(dots) * mask, axis=-1))
 
 
 def _normalize_step(spec: _Spec, grads, inputs):
@@ -222,11 +242,17 @@ def _check_weights(weights, dk: int, dv: int, spec: _Spec, batch: int | None = N
         raise ValueError(f"residual=True needs Dk == Dv, got Dk={dk}, Dv={dv}")
 
 
-def init_state(weights0, batch: int) -> NeuralMemoryState:
-    """Fresh streaming state: θ = weights0 (broadcast to `[B, H, ...]`), U = 0, new mini-batch next."""
+def init_state(weights0, batch: int, *, minibatch: int = 1, inner_step: str = "paper",
+               bias: bool = False) -> NeuralMemoryState:
+    """Fresh streaming state: θ = weights0 (broadcast to `[B, H, ...]`), U = 0, new mini-batch next; with the
+    "overlap" step and `minibatch` > 1 also room for a mini-batch of keys (a decode loop's state keeps its shape)."""
     theta = tuple(jnp.broadcast_to(w, (batch,) + w.shape[-3:]) for w in weights0)
     zeros = tuple(jnp.zeros_like(w) for w in theta)
-    return NeuralMemoryState(theta, zeros, theta, jnp.zeros((), jnp.int32))
+    keys = None
+    if "overlap" in step_parts(inner_step) and minibatch > 1:
+        w = theta[0]
+        keys = jnp.zeros(w.shape[:2] + (minibatch, w.shape[2] - int(bias)), w.dtype)
+    return NeuralMemoryState(theta, zeros, theta, jnp.zeros((), jnp.int32), keys)
 
 
 neural_memory_init_state = init_state  # the name the package exports (like ttt_linear_init_state)
@@ -237,7 +263,7 @@ def _as_stream_state(initial_state, batch: int) -> tuple[NeuralMemoryState, bool
     if isinstance(initial_state, NeuralMemoryState):
         st = initial_state
         return NeuralMemoryState(tuple(st.theta), tuple(st.U), tuple(st.theta_start),
-                                 jnp.asarray(st.pos, jnp.int32)), True
+                                 jnp.asarray(st.pos, jnp.int32), st.keys), True
     theta, U = initial_state
     theta, U = tuple(theta), tuple(U)
     if len(theta) != len(U):
@@ -321,14 +347,37 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         return jnp.sum(spec.objective(pred, v)), inputs
 
     grads, inputs = jax.grad(inner_loss, has_aux=True)(theta_s)
-    grads, inputs = _normalize_step(spec, grads, inputs)
+    keys = state.keys
+    if spec.overlap:  # this token's key joins the mini-batch's; each layer's divisor counts them up to it
+        keys = _keys_buffer(state, k, spec.minibatch)
+        slot = jnp.arange(spec.minibatch) == state.pos
+        keys = jnp.where(slot[:, None], k[..., None, :], keys)
+        earlier = _mlp(spec, theta_s, keys)[1]  # each layer's inputs at the start state, [B, H, b, d_i]
+        mask = (jnp.arange(spec.minibatch) <= state.pos).astype(k.dtype)
+        scales = [_overlap_scale(jnp.einsum("...d,...jd->...j", x, e, precision=spec.precision), mask)
+                  for x, e in zip(inputs, earlier)]
+        grads = tuple(g * s[..., None, None] for g, s in zip(grads, scales))
+        inputs = [x * jnp.sqrt(s)[..., None] for x, s in zip(inputs, scales)]
+    else:
+        grads, inputs = _normalize_step(spec, grads, inputs)
     theta, U = spec.opt.step(state.theta, state.U, grads, inputs, _gate4(eta), _gate4(mu), _gate4(a))
     o = _mlp(spec, theta, q)[0]
-    new = NeuralMemoryState(theta, U, theta_s, (state.pos + 1) % spec.minibatch)
+    new = NeuralMemoryState(theta, U, theta_s, (state.pos + 1) % spec.minibatch, keys)
     losses = None
     if want_loss:
         losses = (spec.objective(_mlp(spec, state.theta, k)[0], v), spec.objective(_mlp(spec, theta, k)[0], v))
     return o, new, losses
+
+
+def _keys_buffer(state: NeuralMemoryState, k, minibatch: int, fresh: bool = False):
+    """The state's keys of the current mini-batch `[B, H, b, Dk]`; zeros for a state that has none and
+    starts a new mini-batch (`fresh`, or a position known to be 0; any other is refused)."""
+    if state.keys is not None:
+        return state.keys.astype(k.dtype)
+    if not fresh and _static_int(state.pos) != 0:
+        raise ValueError("inner_step 'overlap' resumes mid-mini-batch only from a state that carries its "
+                         "keys (init_state(..., minibatch=, inner_step=) or return_stream_state=True)")
+    return jnp.zeros(k.shape[:2] + (minibatch, k.shape[-1]), k.dtype)
 
 
 def _default_gates(spec: _Spec, eta, mu, a):
@@ -453,8 +502,13 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
         q_first = zz[..., c:, :]
         first_layer = zz[..., :c, :]
     inputs, zs, deltas = _key_side(spec, theta_s, k, v, first_layer if q_first is not None else None)
-    # "normalized": token j's step on layer i is over 1 + ‖x_ij‖² (its gradient and its DGD term).
-    scales = [_input_scale(x) for x in inputs] if spec.normalized else [None] * nl
+    # "normalized": token j's step on layer i is over 1 + ‖x_ij‖² (its gradient and its DGD term);
+    # "overlap": over 1 + Σ_{r ≤ j} |x_ij·x_ir| (the mini-batch's tokens up to j, all in this chunk).
+    if spec.overlap:
+        tril = jnp.tril(jnp.ones((c, c), dt))
+        scales = [_overlap_scale(mm(x, _swap(x)), tril) for x in inputs]
+    else:
+        scales = [_input_scale(x) for x in inputs] if spec.normalized else [None] * nl
     if spec.normalized:
         deltas = [d * s_[..., None] for d, s_ in zip(deltas, scales)]
 
@@ -672,7 +726,11 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
     def seq(x):
         return jnp.moveaxis(to_chunks(place(x), b), 2, 0)
 
-    xs = (seq(q), seq(k), seq(v), gate(eta, 0.0),
+    k_line = place(k)
+    if spec.overlap and resumable:  # the resumed mini-batch's earlier tokens: their keys from the state
+        earlier = jnp.pad(jnp.moveaxis(state.keys.astype(k.dtype), 2, 1), ((0, 0), (0, lv - b), (0, 0), (0, 0)))
+        k_line = jnp.where((idx < p)[None, :, None, None], earlier, k_line)
+    xs = (seq(q), jnp.moveaxis(to_chunks(k_line, b), 2, 0), seq(v), gate(eta, 0.0),
           None if mu is None else gate(mu, 1.0),
           None if a is None else gate(a, 1.0),
           None if act is None else act.reshape(n, b))
@@ -722,7 +780,11 @@ def _chunked(spec, state, q, k, v, eta, mu, a, *, resumable: bool, want_loss: bo
         losses = tuple(unchunk(l_) for l_ in losses)
     theta, U, start = carry
     pos = (state.pos + t_len) % b
-    return o, NeuralMemoryState(theta, U, start, pos.astype(jnp.int32)), losses
+    keys = state.keys
+    if spec.overlap:  # the keys of the mini-batch the stream stops in (unused when it stops on a boundary)
+        last = lax.dynamic_slice_in_dim(k_line, jnp.minimum((p + t_len) // b, n - 1) * b, b, axis=1)
+        keys = jnp.moveaxis(last, 1, 2)
+    return o, NeuralMemoryState(theta, U, start, pos.astype(jnp.int32), keys), losses
 
 
 # ----------------------------------------------------------------------------------------------
@@ -796,6 +858,9 @@ def neural_memory(q, k, v, *, lr, momentum=None, decay=None, weights0=None, resi
     q, k, v = (x.astype(dt) for x in (q, k, v))
     spec = _in_dtype(spec, dt)
     state = jax.tree_util.tree_map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    if spec.overlap and state.keys is None:
+        state = state._replace(keys=_keys_buffer(state, jnp.zeros((bsz, heads, dk), dt), spec.minibatch,
+                                                 fresh=not resumable))
     eta = lr.astype(dt)
     mu = None if momentum is None else momentum.astype(dt)
     a = None if decay is None else (1.0 - decay).astype(dt)
@@ -839,7 +904,7 @@ def neural_memory_step(q, k, v, *, lr, momentum=None, decay=None, state: NeuralM
                                 None if decay is None else (1.0 - decay).astype(dt))
     cast = lambda ws: tuple(w.astype(dt) for w in ws)  # noqa: E731
     st = NeuralMemoryState(cast(state.theta), cast(state.U), cast(state.theta_start),
-                           jnp.asarray(state.pos, jnp.int32))
+                           jnp.asarray(state.pos, jnp.int32), None if state.keys is None else state.keys.astype(dt))
     o, st, losses = _token_step(spec, st, q, k, v, eta, mu, a, return_inner_loss)
     o = o.astype(out_dtype)
     if return_inner_loss:

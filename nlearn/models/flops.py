@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from nlearn.layers.core import head_dim
 from nlearn.memory.inner_optimizers import get_inner_optimizer
-from nlearn.memory.neural_memory import SCAN_GROUP
+from nlearn.memory.neural_memory import SCAN_GROUP, step_parts
 
 TTT_REMAT_GROUP = 4  # the TTT ops' default `remat_group` (their padding unit is minibatch · group)
 
@@ -83,6 +83,7 @@ def neural_memory(t: int, d: int, mem) -> float:
     layers = list(zip(dims[:-1], dims[1:]))
     use_mu = bool(mem.momentum) and opt.momentum
     b = mem.minibatch
+    overlap = "overlap" in step_parts(mem.get("inner_step", "paper"))
     if b == 1:  # per token: keys forward, errors back, rank-1 gradients, the optimizer step, the read
         per_token = 0.0
         for i, (di, do) in enumerate(layers):
@@ -104,6 +105,8 @@ def neural_memory(t: int, d: int, mem) -> float:
         if opt.precondition:  # DGD: Gram matrix, right-hand side, solve, and its read
             fwd += 2.0 * b * b * (di + 3 * do) + (mm if use_mu else 0.0)
             inverse += sum(_unit_lower_inverse(b))
+        elif overlap:  # the "overlap" step's Gram matrix of the inputs (DGD's own serves it)
+            fwd += 2.0 * b * b * di
     fwd += 2.0 * b**3 * ((1 if mem.decay else 0) + (2 if opt.momentum else 0))  # gate coefficient matrices
     return n * (3.0 * fwd + inverse)
 

@@ -102,10 +102,10 @@ def np_reference(q, k, v, lr, mu, alpha, weights0, *, residual=False, activation
         for hi in range(heads):
             th = [w[bi, hi].copy() for w in theta]
             uu = [u[bi, hi].copy() for u in U]
-            start = None
+            start, batch_inputs = None, []
             for t in range(t_len):
                 if t % minibatch == 0:
-                    start = [w.copy() for w in th]
+                    start, batch_inputs = [w.copy() for w in th], []
                 kt, vt = k[bi, t, hi], v[bi, t, hi]
                 eta, m, a = lr[bi, t, hi], mu[bi, t, hi], 1.0 - alpha[bi, t, hi]
                 if "mean" in parts:
@@ -120,10 +120,16 @@ def np_reference(q, k, v, lr, mu, alpha, weights0, *, residual=False, activation
                     if i > 0:
                         delta = (start[i] @ delta) * df(zs[i - 1])
                 lb[bi, t, hi] = _loss(objective, forward(th, kt)[0], vt)
+                batch_inputs.append(hs)
                 new = []
                 for i in range(nl):
-                    # normalised: layer i's step over 1 + |x|^2 of its input at the mini-batch start
-                    e_i = eta / (1.0 + hs[i] @ hs[i]) if "normalized" in parts else eta
+                    # normalised: layer i's step over 1 + |x|^2 of its input at the mini-batch start;
+                    # overlap: over 1 + sum |x . x_j| of the mini-batch's inputs up to this token (b = 1: normalised)
+                    e_i = eta
+                    if "normalized" in parts or ("overlap" in parts and minibatch == 1):
+                        e_i = eta / (1.0 + hs[i] @ hs[i])
+                    elif "overlap" in parts:
+                        e_i = eta / (1.0 + sum(abs(hs[i] @ xj[i]) for xj in batch_inputs))
                     if optimizer in ("sgd", "dgd"):
                         w = a * th[i] - e_i * grads[i]
                     else:
@@ -185,6 +191,9 @@ GRID = [
     (2, "dgd_momentum", "l2", 8, True, True, False, "silu", "bounded"),
     (3, "dgd", "huber", 1, False, True, True, "gelu", "normalized"),
     (1, "sgd", "l2", 8, False, True, False, "gelu", "mean+normalized"),
+    (2, "momentum", "l2", 8, True, True, False, "gelu", "ema+overlap"),
+    (2, "dgd_momentum", "l2", 8, True, True, False, "silu", "ema+overlap"),
+    (2, "dgd", "huber", 8, False, True, True, "gelu", "overlap"),
 ]
 ARGN = ("q", "k", "v", "lr", "mu", "alpha", "weights0")
 
@@ -348,7 +357,8 @@ def test_causal():
     assert np.max(np.abs(o2[:, p] - o[:, p])) > 1e-3
 
 
-@pytest.mark.parametrize("impl,inner_step", [("chunked", "paper"), ("recurrent", "paper"), ("chunked", "bounded")])
+@pytest.mark.parametrize("impl,inner_step", [("chunked", "paper"), ("recurrent", "paper"), ("chunked", "bounded"),
+                                             ("chunked", "ema+overlap"), ("recurrent", "ema+overlap")])
 def test_stream_in_pieces(impl, inner_step):
     """Two pieces == one call: split on a mini-batch boundary with (θ, U); anywhere with the stream state."""
     q, k, v, lr, mu, alpha, w = make_inputs(seed=12, depth=2)
@@ -362,7 +372,7 @@ def test_stream_in_pieces(impl, inner_step):
         o2, st2 = neural_memory(q[:, cut:], k[:, cut:], v[:, cut:], initial_state=st,
                                 **_gates(lr, mu, alpha, slice(cut, None)), **kw)
         # Mid-mini-batch splits (6 | 17 | 14 with mini-batch 4) through NeuralMemoryState.
-        st3, outs = init_state(w, B), []
+        st3, outs = init_state(w, B, minibatch=4, inner_step=inner_step), []
         for s in (slice(0, 6), slice(6, 23), slice(23, None)):
             o_, st3 = neural_memory(q[:, s], k[:, s], v[:, s], initial_state=st3, return_stream_state=True,
                                     **_gates(lr, mu, alpha, s), **kw)
@@ -419,7 +429,7 @@ def test_stream_state_with_known_position():
 
 
 @pytest.mark.parametrize("optimizer,inner_step", [("momentum", "paper"), ("dgd_momentum", "paper"),
-                                                  ("dgd_momentum", "bounded")])
+                                                  ("dgd_momentum", "bounded"), ("momentum", "ema+overlap")])
 def test_decode_steps_equal_full_sequence(optimizer, inner_step):
     t_len = 13
     q, k, v, lr, mu, alpha, w = make_inputs(seed=14, depth=2, t_len=t_len)
@@ -434,7 +444,7 @@ def test_decode_steps_equal_full_sequence(optimizer, inner_step):
         q, k, v, lr, mu, alpha = (x[:, t] for x in seq)
         return neural_memory_step(q, k, v, lr=lr, momentum=mu, decay=alpha, state=st, return_inner_loss=True, **kw)
 
-    st = init_state(w, B)
+    st = init_state(w, B, minibatch=4, inner_step=inner_step)
     step = jax.jit(step).lower(st, jnp.int32(0)).compile(FAST_COMPILE)
     for t in range(t_len):
         o_t, st, (lb_t, la_t) = step(st, jnp.int32(t))

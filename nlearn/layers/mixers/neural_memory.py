@@ -64,7 +64,8 @@ class NeuralMemoryMixer(MemoryMixer):
         return get_objective(self.options["objective"])
 
     def initial_state(self, batch):
-        return neural_memory_init_state(self._weights0(), batch)
+        return neural_memory_init_state(self._weights0(), batch, minibatch=self.options["minibatch"],
+                                        inner_step=self.options["inner_step"])
 
     def memory(self, q, k, v, gates, state):
         lr, momentum, decay = gates
