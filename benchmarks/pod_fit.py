@@ -175,8 +175,9 @@ def render(rows: list[dict], command: str) -> str:
         "Fits: arguments + temporaries + outputs - aliased <= HBM; XLA refuses a program whose temporaries "
         "alone exceed it (no: the compile stopped there; no*: XLA compiled it, the sum is over HBM). Ratio "
         "above 1.1 (self-referential Titans, Hope): their memory op checkpoints its own chunk scan, so the "
-        "program runs that forward twice; flops.py counts the model's FLOPs (with the op's checkpoints off "
-        "the lowered program agrees within 4% for every family).",
+        "program runs that forward twice, and Hope's parallel pass rebuilds each period's CMS `Δ` from its "
+        "first pass's gradient factors (an outer product per kernel); flops.py counts the model's FLOPs (with "
+        "the op's checkpoints off the lowered program agrees within 4% for every family).",
         "",
         "| family | preset | topology | seqs/chip | params M | param+opt GiB | temp GiB | total GiB | fits "
         "| FLOPs/chip (XLA matmuls) | ratio to flops.py | est. step ms | est. MFU | compile s |",
