@@ -26,17 +26,21 @@ ORDERS = ("fast_first", "slow_first")  # the order the levels apply in, by perio
 KERNELS = ("gate", "up", "down")
 
 
-def swiglu_with_delta(w0: dict, delta: dict | None, z):
+def swiglu_with_delta(w0: dict, delta: dict | None, z, probe: dict | None = None, with_hidden: bool = False):
     """`(silu(z Wg) * z Wu) Wd` with `W = W0 + Δ`. `z [..., T, D]`; `w0` kernels `[D, F]` /
-    `[F, D]`; `delta` kernels with the leading dims of `z` before T (`[..., D, F]`), or None."""
+    `[F, D]`; `delta` kernels with the leading dims of `z` before T (`[..., D, F]`), or None. `probe[kernel]`
+    is added to that kernel's output (its gradient is the loss's there); `with_hidden` also returns the down
+    kernel's input `a`."""
 
     def mm(a, name):
         y = a @ w0[name].astype(a.dtype)
         if delta is not None:
             y = y + jnp.einsum("...td,...df->...tf", a, delta[name].astype(a.dtype))
-        return y
+        return y if probe is None else y + probe[name].astype(y.dtype)
 
-    return mm(jax.nn.silu(mm(z, "gate")) * mm(z, "up"), "down")
+    hidden = jax.nn.silu(mm(z, "gate")) * mm(z, "up")
+    out = mm(hidden, "down")
+    return (out, hidden) if with_hidden else out
 
 
 def segment_apply(fn, z_BTD, delta_NB, period: int):
@@ -136,14 +140,8 @@ class CMSLevel(nnx.Module):
         """The level with `delta` (`[B, ...]`) and `probe[kernel]` added to each kernel's output; also the
         kernels' inputs `{"z", "a"}` (the gradient w.r.t. `probe` completes the factors)."""
         z = self.norm(h_BTD)
-        w0 = self.weights0()
-
-        def mm(x, name):
-            y = x @ w0[name].astype(x.dtype) + jnp.einsum("...td,...df->...tf", x, delta[name].astype(x.dtype))
-            return y + probe[name].astype(y.dtype)
-
-        a = jax.nn.silu(mm(z, "gate")) * mm(z, "up")
-        return h_BTD + mm(a, "down"), {"z": z, "a": a}
+        y, a = swiglu_with_delta(self.weights0(), delta, z, probe, with_hidden=True)
+        return h_BTD + y, {"z": z, "a": a}
 
 
 class ContinuumMemory(nnx.Module):
