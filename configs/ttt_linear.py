@@ -3,7 +3,7 @@
 Presets: tiny and the TTT paper's sizes 125m, 350m, 760m, 1.3b (Transformer backbone).
 """
 
-from nlearn.memory_config import linear_memory
+from nlearn.memory_config import linear_memory, write_gate_options
 from nlearn.presets import family_config
 
 PRESETS = {
@@ -18,4 +18,4 @@ PRESETS = {
 
 def get_config(preset: str = "tiny"):
     return family_config("ttt_linear", PRESETS, preset,
-                         memory=linear_memory(minibatch=16, base_lr=1.0))
+                         memory=linear_memory(minibatch=16, base_lr=1.0, **write_gate_options()))

@@ -6,7 +6,7 @@ MLP adds 8·head_dim² weights per head, so 125m, 350m and 760m have one or two 
 TTT-Linear's presets to stay near their named size (138M, 379M, 800M, 1.36B parameters).
 """
 
-from nlearn.memory_config import linear_memory
+from nlearn.memory_config import linear_memory, write_gate_options
 from nlearn.presets import family_config
 
 PRESETS = {
@@ -21,4 +21,5 @@ PRESETS = {
 
 def get_config(preset: str = "tiny"):
     return family_config("ttt_mlp", PRESETS, preset,
-                         memory=linear_memory(minibatch=16, base_lr=0.1, expansion=4, inner_step="paper"))
+                         memory=linear_memory(minibatch=16, base_lr=0.1, expansion=4, inner_step="paper",
+                                              **write_gate_options()))

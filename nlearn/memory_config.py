@@ -18,6 +18,16 @@ def linear_memory(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
+def write_gate_options() -> dict:
+    """The length options of a memory whose writes a learned gate scales (Titans, TTT; the delta rules have
+    theirs as `beta_gate`): `lr_gate="hard_sigmoid"` lets a write close exactly, so `train.write_penalty`
+    can teach it to leave the state alone over filler; `gate_conv=True` lets the gates read the last few tokens."""
+    return dict(lr_gate="sigmoid", gate_conv=False)
+
+
+# What a memory saved before the write-gate options existed trained with.
+WRITE_GATE_MIGRATIONS = (("model.memory.lr_gate", "sigmoid"), ("model.memory.gate_conv", False))
+
 DECAY_INIT = 1.0 / (1.0 + math.exp(4.0))  # sigmoid(-4): the forgetting gate's bias starts at -4
 
 
@@ -45,6 +55,7 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     # (docs/paper_notes.md); an explicit value always wins.
     depth = c.get_ref("depth").to_float()
     c.max_lr = 1.0 / (depth * depth)
+    c.update(write_gate_options())
     c.update(overrides)
     return c
 

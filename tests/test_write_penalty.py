@@ -1,5 +1,6 @@
-"""train.write_penalty: the cost is each layer's mean write strength as the gate makes it, charged from its first
-step on both train steps (plain and state passing), it closes write gates by itself, and bad settings are refused."""
+"""train.write_penalty: the cost is each layer's mean write strength as the gate makes it (the delta rules' beta,
+the Titans and TTT memories' learning rate), charged from its first step on both train steps (plain and state
+passing), it closes write gates by itself, and bad settings are refused."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,8 @@ def small_config(family="deltanet", **train):
     with config.unlocked():
         config.data.vocab_size = 61
         config.model.update(vocab_size=61, d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
-        config.model.memory.update(chunk_size=4, beta_gate="hard_sigmoid")
+        gate = "beta_gate" if "beta_gate" in config.model.memory else "lr_gate"
+        config.model.memory.update(chunk_size=4, **{gate: "hard_sigmoid"})
         config.train.update(batch_size=4, seq_len=11, warmup_steps=0, lr=1e-2, **train)
     return config
 
@@ -33,7 +35,7 @@ def gate_logits_by_layer(model, tokens_BT):
     logits = []
 
     def probe(block, x, cache):
-        logits.append(np.asarray(block.mixer.beta(block.mixer_norm(x))))
+        logits.append(np.asarray(block.mixer.write_logits(block.mixer_norm(x))))
 
     model.decode(tokens_BT, model.init_cache(tokens_BT.shape[0], tokens_BT.shape[1]), probe=probe)
     return logits
@@ -53,6 +55,29 @@ def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
     z = gate_logits_by_layer(nnx.merge(setup.graphdef, params), x)
     assert len(z) == 2
     np.testing.assert_allclose(float(cost), sum(np.mean(np.maximum(zl + 4.0, 0.0) / 6.0) for zl in z), rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["titans_lmm", "titans_mac", "titans_mag", "titans_mal", "ttt_linear", "ttt_mlp"])
+def test_every_gated_memory_charges_its_learning_rate_gate(family):
+    """With every lr gate constant (kernel 0, bias b) each layer charges relu(b + 4) / 6, Titans MAC (whose memory
+    runs inside its segment scan) included; a gate below -4 charges nothing."""
+    config = small_config(family)
+    setup = make_setup(config)
+    params = setup.init_state()["params"]
+    x = tokens((4, 10))
+
+    def cost_with_bias(b):
+        def set_gate(path, leaf):
+            names = [str(getattr(p, "key", p)) for p in path]
+            if "lr_gate" not in names:
+                return leaf
+            return jnp.full_like(leaf, b) if names[-1] == "bias" else jnp.zeros_like(leaf)
+
+        gated = jax.tree_util.tree_map_with_path(set_gate, params)
+        return float(token_losses_and_write_cost(setup.graphdef, gated, x, x, jnp.float32)[1])
+
+    np.testing.assert_allclose(cost_with_bias(-1.5), 2 * 2.5 / 6, rtol=1e-5)
+    assert cost_with_bias(-4.5) == 0.0
 
 
 def run_steps(config, n, seed=0):
@@ -82,16 +107,17 @@ def test_the_cost_is_charged_from_its_first_step_and_the_loss_metric_stays_the_c
     assert charged_history[2]["write_cost"] > 0
 
 
-def test_the_cost_alone_closes_every_write_gate_exactly():
-    """A heavy cost (and answers of no use to any write) drives every gate past its edge: beta is exactly 0."""
-    config = small_config(write_penalty=100.0)
+@pytest.mark.parametrize("family", ["deltanet", "titans_lmm"])
+def test_the_cost_alone_closes_every_write_gate_exactly(family):
+    """A heavy cost (and answers of no use to any write) drives every gate past its edge: the write is exactly 0."""
+    config = small_config(family, write_penalty=100.0)
     setup, state, history = run_steps(config, 60)
     assert history[-1]["write_cost"] < 0.1 * history[0]["write_cost"]
     x = tokens((4, 10), 99)
     z = gate_logits_by_layer(nnx.merge(setup.graphdef, state["params"]), x)
     beta = [np.asarray(jax.nn.hard_sigmoid(zl)) for zl in z]
     assert all((b == 0).all() for b in beta)
-    _, uncharged, _ = run_steps(small_config(), 60)  # without the cost, the gates stay open
+    _, uncharged, _ = run_steps(small_config(family), 60)  # without the cost, the gates stay open
     z = gate_logits_by_layer(nnx.merge(setup.graphdef, uncharged["params"]), x)
     assert all((np.asarray(jax.nn.hard_sigmoid(zl)) > 0).mean() > 0.5 for zl in z)
 
@@ -99,13 +125,24 @@ def test_the_cost_alone_closes_every_write_gate_exactly():
 @pytest.mark.parametrize("family, overrides, culprit", [
     ("deltanet", dict(write_penalty=-0.1), "train.write_penalty=-0.1"),
     ("deltanet", dict(write_penalty=0.1, write_penalty_from=-1), "train.write_penalty_from=-1"),
-    ("titans_lmm", dict(write_penalty=0.1), "has no write gate"),
+    ("linear_attention", dict(write_penalty=0.1), "has no write gate"),
+    ("self_ref_titans", dict(write_penalty=0.1), "has no write gate"),
 ])
 def test_bad_settings_are_refused_with_the_culprit(family, overrides, culprit):
     config = load_family_config(family)
     with config.unlocked():
         config.train.update(**overrides)
     with pytest.raises(UserError, match=culprit):
+        config_lib.validate(config)
+
+
+def test_titans_mac_refuses_the_cost_with_state_passing():
+    """MAC's memory runs inside its decoding branches, which report no cost: refused, not silently uncharged."""
+    config = load_family_config("titans_mac")
+    with config.unlocked():
+        config.model.mac_positions = "segment"
+        config.train.update(write_penalty=0.1, state_passing=0.5)
+    with pytest.raises(UserError, match="reports no write cost while decoding"):
         config_lib.validate(config)
 
 

@@ -132,6 +132,7 @@ class MACMixer(nnx.Module):
         self.retrieved_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lmm_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lmm = NeuralMemoryMixer(cfg, rngs=rngs)
+        self.lmm.defer_writes = True  # its write cost comes back through the segment scan; `_forward` sows it
         self.combine = mac_output(cfg)
         self.memory_input = mac_memory_input(cfg)
         self.segment_positions = mac_positions(cfg) == "segment"
@@ -161,13 +162,15 @@ class MACMixer(nnx.Module):
 
     def _output(self, x_BTD, y_BTHK, lmm_cache):
         """Steps 3-4: write `model.mac_memory_input` (y, x + y or x) into the memory token by
-        token, read it with the same input as query, combine y with the read."""
+        token, read it with the same input as query, combine y with the read. Also returns the
+        memory's write cost (0 unless `train.write_penalty` records it)."""
         y = self.attn.project_out(y_BTHK)
         u = {"y": y, "x+y": x_BTD + y, "x": x_BTD}[self.memory_input]
         m, lmm_cache = self.lmm(self.lmm_norm(u), lmm_cache)
+        cost = lmm_cache.pop("write_cost", jnp.zeros((), jnp.float32))
         if self.combine == "add":
-            return y + m, lmm_cache
-        return y * jax.nn.sigmoid(self.gate_norm(m)), lmm_cache
+            return y + m, lmm_cache, cost
+        return y * jax.nn.sigmoid(self.gate_norm(m)), lmm_cache, cost
 
     def _lmm_state_in(self, state: NeuralMemoryState, length: int):
         # A (θ, U) pair starts a new mini-batch statically (fast path of the op); a stream state
@@ -187,17 +190,17 @@ class MACMixer(nnx.Module):
         n_p = keys.shape[1] - 2 * length
         mask = with_prefix_mask(jnp.asarray(np.concatenate([causal, causal], 1)), n_p)
         y = masked_attention(q, keys, values, mask)
-        out, lmm_cache = self._output(x, y, {"convs": convs, "state": self._lmm_state_in(state, length)})
+        out, lmm_cache, cost = self._output(x, y, {"convs": convs, "state": self._lmm_state_in(state, length)})
         # Same dtypes as the carry that came in (the op may compute in the activations' dtype).
         new = jax.tree_util.tree_map(lambda a, b_: a.astype(b_.dtype), tuple(lmm_cache["state"]), tuple(state))
-        return (NeuralMemoryState(*new), lmm_cache["convs"]), (out, h, (k_r, v_r, k_x, v_x))
+        return (NeuralMemoryState(*new), lmm_cache["convs"]), (out, h, (k_r, v_r, k_x, v_x), cost)
 
     def _segments(self, x_BTD, start, state, convs, attn_convs=None):
         """Whole segments then a remainder, from a segment boundary at absolute position `start`.
 
         Returns the outputs, the retrieved `h [B, T, H, D]`, the carry before and after the last
-        (possibly partial) segment, that segment's keys/values (None when C divides T) and the
-        attention convs' cache (None when `attn_convs` is)."""
+        (possibly partial) segment, that segment's keys/values (None when C divides T), the
+        attention convs' cache (None when `attn_convs` is) and the memory's write cost per segment."""
         b, t, _ = x_BTD.shape
         c = self.segment_len
         pos = start + jnp.arange(t, dtype=jnp.int32)
@@ -208,7 +211,7 @@ class MACMixer(nnx.Module):
         seqs = (x_BTD, q_r, q, k_x, v_x)
         n, rem = divmod(t, c)
         carry = (state, convs)
-        outs, hs = [], []
+        outs, hs, costs = [], [], []
         if n:
             def split(z):  # [B, n*C, ...] -> [n, B, C, ...]
                 z = z[:, :n * c]
@@ -218,18 +221,21 @@ class MACMixer(nnx.Module):
             # Unrolled when short (XLA fuses across the segments: ~5-10% faster at the
             # MQAR shapes, 4 segments); a rolled loop keeps long sequences' compile time flat.
             unroll = n if n <= UNROLL_SEGMENTS else 1
-            carry, (out, h, _) = lax.scan(self._segment, carry, xs, unroll=unroll)
+            carry, (out, h, _, cost) = lax.scan(self._segment, carry, xs, unroll=unroll)
             merge = lambda z: jnp.moveaxis(z, 0, 1).reshape((b, n * c) + z.shape[3:])  # noqa: E731
             outs.append(merge(out))
             hs.append(merge(h))
+            costs.append(cost)
         last_kv = None
         before_last = carry
         if rem:
             seg = tuple(z[:, n * c:] for z in seqs) + (pos[n * c:],)
-            carry, (out, h, last_kv) = self._segment(carry, seg)
+            carry, (out, h, last_kv, cost) = self._segment(carry, seg)
             outs.append(out)
             hs.append(h)
-        return jnp.concatenate(outs, 1), jnp.concatenate(hs, 1), before_last, carry, last_kv, attn_convs
+            costs.append(cost[None])
+        return (jnp.concatenate(outs, 1), jnp.concatenate(hs, 1), before_last, carry, last_kv, attn_convs,
+                jnp.concatenate(costs))
 
     # --- training -----------------------------------------------------------------------------
     def __call__(self, x_BTD, cache=None):
@@ -244,7 +250,9 @@ class MACMixer(nnx.Module):
         pad = -t % self.segment_len
         x = jnp.concatenate([x_BTD, jnp.zeros((b, pad, d), x_BTD.dtype)], 1) if pad else x_BTD
         lmm0 = self.lmm.init_cache(b, 0, x_BTD.dtype)
-        out, h = self._segments(x, 0, lmm0["state"], lmm0["convs"])[:2]
+        out, h, *_, costs = self._segments(x, 0, lmm0["state"], lmm0["convs"])
+        if self.lmm.record_writes:  # the padding's writes are charged too: their gates are the model's as well
+            self.sow(nnx.Intermediate, "sown_write_cost", jnp.mean(costs))
         return out[:, :t], h[:, :t]
 
     def retrieved(self, x_BTD):
@@ -294,7 +302,7 @@ class MACMixer(nnx.Module):
         n_p = keys.shape[1] - 2 * c
         mask = with_prefix_mask(jnp.concatenate([seen, seen])[None], n_p)  # [1, N_p + 2C]
         y = masked_attention(q, keys, values, mask)
-        out, lmm = self._output(x_B1D, y, cache["lmm"])
+        out, lmm, _ = self._output(x_B1D, y, cache["lmm"])
         # The segment ends with this token: later tokens retrieve from the memory it leaves.
         retrieval = _select(p == c - 1, lmm["state"].theta, cache["retrieval"])
         return out, {"retrieval": retrieval, "lmm": lmm, "attn_convs": attn_convs, "kv": kv, "next": pos + 1}
@@ -304,7 +312,7 @@ class MACMixer(nnx.Module):
         t = x_BTD.shape[1]
         c = self.segment_len
         lmm = cache["lmm"]
-        out, _, before, (state, convs), last_kv, attn_convs = self._segments(
+        out, _, before, (state, convs), last_kv, attn_convs, _ = self._segments(
             x_BTD, cache["next"], lmm["state"], lmm["convs"], cache["attn_convs"])
         if last_kv is None:  # ends on a segment boundary: the next segment starts empty
             retrieval, kv = state.theta, cache["kv"]

@@ -22,9 +22,11 @@ def validate_config(config) -> None:
     if memory is not None and memory.conv_init not in ShortConv.INITS:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
-    if memory is not None:  # the delta rules' choices (other families' memories have neither key)
+    if memory is not None:  # the memories' gate choices (a family's memory has some of these keys or none)
         from nlearn.layers.mixers import DeltaNetMixer
-        for key, choices in (("qk_activation", DeltaNetMixer.QK_ACTIVATIONS), ("beta_gate", DeltaNetMixer.BETA_GATES)):
+        from nlearn.layers.mixers.base import WRITE_GATES
+        for key, choices in (("qk_activation", DeltaNetMixer.QK_ACTIVATIONS), ("beta_gate", WRITE_GATES),
+                             ("lr_gate", WRITE_GATES)):
             if key in memory and memory[key] not in choices:
                 raise UserError(f"invalid config value model.memory.{key}={memory[key]!r}: valid "
                                 f"choices: {', '.join(choices)}")

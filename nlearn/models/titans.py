@@ -17,7 +17,7 @@ from nlearn.layers.core import head_dim as head_dim_of
 from nlearn.layers.titans import (MAC_MEMORY_INPUTS, MAC_OUTPUTS, MAC_POSITIONS, MAG_OUTPUTS, MAL_ATTN_INPUTS,
                                   MACMixer, MAGMixer, MALMixer, mac_memory_input, mac_output, mac_positions,
                                   mag_output, mal_attn_input)
-from nlearn.memory_config import PAPER_STEP, validate_neural_memory
+from nlearn.memory_config import PAPER_STEP, WRITE_GATE_MIGRATIONS, validate_neural_memory
 from nlearn.models import flops
 from nlearn.models.registry import register
 
@@ -82,10 +82,10 @@ def _mixer(cls):
 
 # Keys added after runs were saved, with the value such a run trained with.
 _CONV = ("model.attn_conv_size", 0)
-register("titans_mac", _mixer(MACMixer), validate_mac, flops=flops.mac,
-         migrations=(_CONV, PAPER_STEP, ("model.mac_output", "gate"), ("model.mac_memory_input", "x+y"),
-                     ("model.mac_positions", "absolute")))
-register("titans_mag", _mixer(MAGMixer), validate_mag, flops=flops.windowed_titans,
-         migrations=(_CONV, PAPER_STEP, ("model.mag_output", "blend")))
-register("titans_mal", _mixer(MALMixer), validate_mal, flops=flops.windowed_titans,
-         migrations=(_CONV, PAPER_STEP, ("model.mal_attn_input", "x+m")))
+register("titans_mac", _mixer(MACMixer), validate_mac, flops=flops.mac, write_cost=True, decode_write_cost=False,
+         migrations=(_CONV, PAPER_STEP, *WRITE_GATE_MIGRATIONS, ("model.mac_output", "gate"),
+                     ("model.mac_memory_input", "x+y"), ("model.mac_positions", "absolute")))
+register("titans_mag", _mixer(MAGMixer), validate_mag, flops=flops.windowed_titans, write_cost=True,
+         migrations=(_CONV, PAPER_STEP, *WRITE_GATE_MIGRATIONS, ("model.mag_output", "blend")))
+register("titans_mal", _mixer(MALMixer), validate_mal, flops=flops.windowed_titans, write_cost=True,
+         migrations=(_CONV, PAPER_STEP, *WRITE_GATE_MIGRATIONS, ("model.mal_attn_input", "x+m")))

@@ -1,12 +1,14 @@
-"""`train.write_penalty`: an L1 cost on how strongly a delta-rule memory writes each token.
+"""`train.write_penalty`: an L1 cost on how strongly a memory writes each token.
 
 Trained on short windows with its loss on an answer, a memory has no reason to leave its state alone over
 input it never needs: every filler token's write wears a stored association (a needle) a little, which a
 512-token window does not notice and a 16K one does. Charging `write_penalty` times the mean write cost per
-layer (the gate's strength, `DeltaNetMixer.WRITE_COSTS`) lets the model close its write gate wherever a write
-does not lower the loss. With `model.memory.beta_gate="hard_sigmoid"` a closed gate is exactly 0, and a token
-written with beta 0 leaves the state exactly as it was, however many follow. `train.write_penalty_from` starts
-the cost at a later step, once the task is learnt (a gate closed by the cost alone has no gradient to reopen).
+layer (the write gate's strength: the delta rules' beta, the Titans and TTT memories' learning rate;
+`nlearn.layers.mixers.base.WRITE_COSTS`) lets the model close its write gate wherever a write does not lower
+the loss. With `model.memory.beta_gate="hard_sigmoid"` (`lr_gate` for Titans and TTT) a closed gate is exactly
+0, and a token written with strength 0 adds nothing to the state however many follow (a Titans memory still
+forgets by its decay gate and moves by its momentum). `train.write_penalty_from` starts the cost at a later
+step, once the task is learnt (a gate closed by the cost alone has no gradient to reopen).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def validate(config) -> None:
         able = sorted(name for name, family in models.FAMILIES.items() if family.write_cost)
         raise UserError(fail("train.write_penalty", weight, f"family {config.model.family!r} has no write gate to "
                              f"charge (only {', '.join(able)})"))
+    if weight and config.train.get("state_passing", 0.0) > 0 and not models.FAMILIES[
+            config.model.family].decode_write_cost:
+        raise UserError(fail("train.write_penalty", weight, f"family {config.model.family!r} reports no write cost "
+                             "while decoding, which train.state_passing trains with (set one of them to 0)"))
     if weight and config.model.get("scan_layers", False):
         raise UserError(fail("train.write_penalty", weight, "needs model.scan_layers=False (scanned layers do not "
                              "report their write costs)"))

@@ -24,13 +24,29 @@ def l2_normalize(x, eps: float = 1e-6):
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+# A write gate in [0, 1] from its logit z (`memory.beta_gate` of the delta rules, `memory.lr_gate` of the Titans
+# and TTT memories): "hard_sigmoid" reaches exactly 0, and a token written with strength 0 leaves the state as it
+# was however many such tokens follow, where sigmoid's small writes still wear it down.
+WRITE_GATES = {"sigmoid": jax.nn.sigmoid, "hard_sigmoid": jax.nn.hard_sigmoid}
+# What `train.write_penalty` charges per token and head (nlearn.train.write_penalty): sigmoid's value;
+# hard_sigmoid's ramp unclipped at 1 (a gate stuck open still feels the cost) and shifted by a unit, so a
+# closed gate is pushed a unit past its edge and a small drift of its input does not reopen it.
+WRITE_COSTS = {"sigmoid": jax.nn.sigmoid, "hard_sigmoid": lambda z: jax.nn.relu(z + 4.0) / 6.0}
+
+
 class MemoryMixer(nnx.Module):
     """Base class: projections, convs, output norm and gate.
 
     Subclasses define `initial_state(batch)` (the memory's state before any token) and
     `memory(q, k, v, gates, state) -> (o, state)` (the op over `[B, T, H, D]` inputs), and may
-    override `featurize` and `gates`.
+    override `featurize` and `gates`. A memory whose writes one gate scales sets `write_gate_kind` and
+    defines `write_logits(gate_in_BTD) -> [B, T, H]`: `train.write_penalty` then charges the gate's mean cost
+    (`write_cost`), and `memory.gate_conv` (`init_gate_conv`) lets its gates read the last few tokens.
     """
+
+    write_gate_kind = None  # a key of WRITE_GATES for a memory with a write gate
+    record_writes = False  # set by train.write_penalty's step: `project` then sows the mean write cost
+    defer_writes = False  # the caller reports the cost itself (`heads` returns it in the cache: Titans MAC)
 
     def __init__(self, cfg, *, output: bool = True, rngs: nnx.Rngs):
         mem = cfg.memory
@@ -67,6 +83,22 @@ class MemoryMixer(nnx.Module):
                          "devices (no state summary to pass on); use mesh.sequence=1")
 
     # --- shared ----------------------------------------------------------------------------
+    def init_gate_conv(self, cfg, rngs: nnx.Rngs) -> None:
+        """`memory.gate_conv=True`: the gates read a short causal conv of the input, as Mamba's dt reads its
+        conv, so a gate sees the last few tokens, not one alone. It starts as the identity (the token gate).
+        Subclasses call it last in `__init__`, so the other parameters draw as without it."""
+        if cfg.memory.get("gate_conv", False):
+            self.gate_conv = ShortConv(cfg.d_model, cfg.memory.conv_size or 4, init="identity", channel_axis="embed",
+                                       rngs=rngs)
+
+    def write_gate(self, z_BTH):
+        """The write strength in [0, 1] from its logits."""
+        return WRITE_GATES[self.write_gate_kind](z_BTH)
+
+    def write_cost(self, gate_in_BTD):
+        """The mean over tokens and heads of what `train.write_penalty` charges for the writes."""
+        return jnp.mean(WRITE_COSTS[self.write_gate_kind](self.write_logits(gate_in_BTD).astype(jnp.float32)))
+
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         width = self.num_heads * self.head_dim
         convs = [conv.init_cache(batch, width, dtype) for conv in self.convs]
@@ -74,8 +106,9 @@ class MemoryMixer(nnx.Module):
             convs.append(self.gate_conv.init_cache(batch, self.gate_conv.weight.shape[1], dtype))
         return {"convs": convs, "state": self.initial_state(batch)}
 
-    def project(self, x_BTD, cache=None):
-        """What the op reads and writes: `(q, k, v [B, T, H, D], gates, conv caches)`."""
+    def project(self, x_BTD, cache=None, with_cost: bool = False):
+        """What the op reads and writes: `(q, k, v [B, T, H, D], gates, conv caches)`, and the write cost
+        (None unless recorded) after them `with_cost`; while `record_writes` it is sown otherwise."""
         b, t, _ = x_BTD.shape
         qkv, conv_caches = [], []
         for i, proj in enumerate((self.q, self.k, self.v)):
@@ -88,16 +121,27 @@ class MemoryMixer(nnx.Module):
         if self.gate_conv is not None:
             gate_in, c = self.gate_conv(x_BTD, None if cache is None else cache["convs"][len(self.convs)])
             conv_caches.append(c)
-        return (*self.featurize(*qkv), self.gates(gate_in), conv_caches)
+        out = (*self.featurize(*qkv), self.gates(gate_in), conv_caches)
+        if not (self.record_writes and self.write_gate_kind is not None):
+            return out + (None,) if with_cost else out
+        if with_cost:
+            return out + (self.write_cost(gate_in),)
+        self.sow(nnx.Intermediate, "sown_write_cost", self.write_cost(gate_in))
+        return out
 
     def heads(self, x_BTD, cache=None):
-        """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache."""
+        """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache (with the write
+        cost under "write_cost" where the caller reports it: `defer_writes`)."""
         if cache is None and sp.context_axis_size() > 1:
             return self.out_norm(self._heads_over_sequence(x_BTD)), None
-        q, k, v, gates, conv_caches = self.project(x_BTD, cache)
+        q, k, v, gates, conv_caches, cost = self.project(x_BTD, cache, with_cost=True) if self.defer_writes else (
+            *self.project(x_BTD, cache), None)
         state = None if cache is None else cache["state"]
         o, state = self.memory(q, k, v, gates, state)
-        return self.out_norm(o), (None if cache is None else {"convs": conv_caches, "state": state})
+        new = None if cache is None else {"convs": conv_caches, "state": state}
+        if cost is not None and new is not None:
+            new["write_cost"] = cost
+        return self.out_norm(o), new
 
     def _heads_over_sequence(self, x_BTD):
         """`heads` with the sequence split over the context mesh's `sequence` axis: projections and
@@ -119,6 +163,8 @@ class MemoryMixer(nnx.Module):
             gate_in = jax.shard_map(lambda w, x: causal_conv_over_sequence(x, w, sp.SEQUENCE_AXIS),
                                     in_specs=(P(), seq), out_specs=seq, axis_names={sp.SEQUENCE_AXIS})(
                 self.gate_conv.weight[...].astype(x_BTD.dtype), x_BTD)
+        if self.record_writes and self.write_gate_kind is not None:
+            self.sow(nnx.Intermediate, "sown_write_cost", self.write_cost(gate_in))
         return jax.shard_map(shard, in_specs=(P(), seq, seq), out_specs=seq, axis_names={sp.SEQUENCE_AXIS})(
             weights, projected, self.gates(gate_in))
 

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nlearn.layers.conv import ShortConv
 from nlearn.layers.core import Dense
 from nlearn.layers.mixers.base import MemoryMixer, l2_normalize
 from nlearn.memory import sequence_parallel as sp
@@ -36,12 +35,6 @@ class DeltaNetMixer(MemoryMixer):
     """
 
     QK_ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x, "relu": jax.nn.relu}
-    BETA_GATES = {"sigmoid": jax.nn.sigmoid, "hard_sigmoid": jax.nn.hard_sigmoid}
-    # What `train.write_penalty` charges per token and head, from the gate's logit z (nlearn.train.write_penalty):
-    # sigmoid's beta; hard_sigmoid's ramp unclipped at 1 (a gate stuck open still feels the cost) and shifted by
-    # a unit, so a closed gate is pushed a unit past its edge and a small drift of its input does not reopen it.
-    WRITE_COSTS = {"sigmoid": jax.nn.sigmoid, "hard_sigmoid": lambda z: jax.nn.relu(z + 4.0) / 6.0}
-    record_writes = False  # set by train.write_penalty's step: `gates` then sows the mean write cost
 
     def __init__(self, cfg, *, gated: bool = False, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
@@ -49,8 +42,7 @@ class DeltaNetMixer(MemoryMixer):
         self.gated = gated
         self.qk_activation = self.QK_ACTIVATIONS[cfg.memory.get("qk_activation", "silu")]
         self.beta_min = float(cfg.memory.get("beta_min", 0.0))
-        self.beta_gate = self.BETA_GATES[cfg.memory.get("beta_gate", "sigmoid")]
-        self.write_cost = self.WRITE_COSTS[cfg.memory.get("beta_gate", "sigmoid")]
+        self.write_gate_kind = cfg.memory.get("beta_gate", "sigmoid")
         if gated:
             self.decay = Dense(cfg.d_model, self.num_heads, axes=("embed", "heads"), std=cfg.init_std, rngs=rngs)
             # Mamba-2 style init: A in [1, 16], softplus(dt_bias) in [1e-3, 0.1] (log-uniform).
@@ -59,18 +51,16 @@ class DeltaNetMixer(MemoryMixer):
             dt = jnp.exp(jax.random.uniform(rngs.params(), (self.num_heads,),
                                             minval=math.log(1e-3), maxval=math.log(0.1)))
             self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), out_sharding=("heads",), eager_sharding=False)
-        if cfg.memory.get("gate_conv", False):  # created last: the other parameters draw as without it
-            self.gate_conv = ShortConv(cfg.d_model, cfg.memory.conv_size or 4, init="identity", channel_axis="embed",
-                                       rngs=rngs)
+        self.init_gate_conv(cfg, rngs)
 
     def featurize(self, q, k, v):
         return l2_normalize(self.qk_activation(q)), l2_normalize(self.qk_activation(k)), jax.nn.silu(v)
 
+    def write_logits(self, x_BTD):
+        return self.beta(x_BTD)
+
     def gates(self, x_BTD):
-        z = self.beta(x_BTD).astype(jnp.float32)
-        if self.record_writes:
-            self.sow(nnx.Intermediate, "sown_write_cost", jnp.mean(self.write_cost(z)))
-        beta = self.beta_min + (1.0 - self.beta_min) * self.beta_gate(z)
+        beta = self.beta_min + (1.0 - self.beta_min) * self.write_gate(self.write_logits(x_BTD).astype(jnp.float32))
         if not self.gated:
             return (beta,)
         dt = jax.nn.softplus(self.decay(x_BTD).astype(jnp.float32) + self.dt_bias[...])

@@ -20,7 +20,8 @@ class NeuralMemoryMixer(MemoryMixer):
     """Titans long-term memory (LMM): an MLP memory trained while reading.
 
     q, k, v get SiLU and q, k an L2 norm (Titans §4.4); per-token, per-head gates are
-    `eta = max_lr * sigmoid(x W_eta)`, `mu = sigmoid(x W_mu)` (momentum), `alpha = sigmoid(x W_alpha)`
+    `eta = max_lr * sigmoid(x W_eta)` (`memory.lr_gate="hard_sigmoid"`: a ramp that closes exactly, the write
+    gate `train.write_penalty` charges), `mu = sigmoid(x W_mu)` (momentum), `alpha = sigmoid(x W_alpha)`
     (forgetting); the memory's initial weights are parameters, meta-learned by the outer loop.
     All inner-learner choices come from `cfg.memory` (optimizer, objective, minibatch, depth, ...).
     """
@@ -49,13 +50,19 @@ class NeuralMemoryMixer(MemoryMixer):
             alpha0 = mem.decay_init
             bias = math.log(alpha0) - math.log1p(-alpha0)
             self.decay_gate.bias[...] = jnp.full((h,), bias, self.decay_gate.bias.dtype)
+        self.write_gate_kind = mem.get("lr_gate", "sigmoid")
+        self.init_gate_conv(cfg, rngs)
 
     def featurize(self, q, k, v):
         return l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)
 
+    def write_logits(self, x_BTD):
+        return self.lr_gate(x_BTD)
+
     def gates(self, x_BTD):
         sig = lambda dense: None if dense is None else jax.nn.sigmoid(dense(x_BTD).astype(jnp.float32))  # noqa: E731
-        return self.max_lr * sig(self.lr_gate), sig(self.momentum_gate), sig(self.decay_gate)
+        lr = self.max_lr * self.write_gate(self.write_logits(x_BTD).astype(jnp.float32))
+        return lr, sig(self.momentum_gate), sig(self.decay_gate)
 
     def _weights0(self):
         return tuple(w[...] for w in self.weights0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -23,9 +22,14 @@ class TTTMixer(MemoryMixer):
         self.ln_scale = param(rngs, (h, d), ("heads", None), init="ones")
         self.ln_bias = param(rngs, (h, d), ("heads", None), init="zeros")
         self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
+        self.write_gate_kind = cfg.memory.get("lr_gate", "sigmoid")  # the gate train.write_penalty charges
+        self.init_gate_conv(cfg, rngs)
+
+    def write_logits(self, x_BTD):
+        return self.lr_gate(x_BTD)
 
     def gates(self, x_BTD):
-        eta = jax.nn.sigmoid(self.lr_gate(x_BTD).astype(jnp.float32))
+        eta = self.write_gate(self.write_logits(x_BTD).astype(jnp.float32))
         return (self.base_lr * eta / self.head_dim,)
 
     def _ln(self):
