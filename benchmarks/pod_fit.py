@@ -13,6 +13,7 @@ within a slice), `train.batch_size` = per_chip_batch x chips at `train.seq_len`.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -39,11 +40,17 @@ _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "results", "pod_fit.md"), "
 _RENDER = flags.DEFINE_bool("render_only", False, "Only rewrite the table from the JSONL.")
 
 
-def preset_of(family: str, size: str) -> str | None:
-    sys.path.insert(0, os.path.join(ROOT, "configs"))
-    import importlib
+def family_module(family: str):
+    """`configs/<family>.py` as a module (configs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"nlearn_pod_fit_{family}", os.path.join(ROOT, "configs",
+                                                                                           f"{family}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    presets = importlib.import_module(family).PRESETS
+
+def preset_of(family: str, size: str) -> str | None:
+    presets = family_module(family).PRESETS
     return next((p for p in SIZE_NAMES[size] if p in presets), None)
 
 
@@ -135,10 +142,7 @@ def first_pass_rows(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["family"] != "hope" or not r.get("n_params"):
             continue
-        sys.path.insert(0, os.path.join(ROOT, "configs"))
-        import importlib
-
-        cfg = importlib.import_module("hope").get_config(r["preset"]).model
+        cfg = family_module("hope").get_config(r["preset"]).model
         per_chip = row_key(r)[3]
         passes, traffic = first_pass_traffic(cfg, r["n_params"], r["seq_len"], per_chip)
         ms = traffic / CHIPS[r["topology"].split(":")[0]].hbm_bytes_per_s * 1e3

@@ -206,12 +206,14 @@ def _overlap_scale(dots, mask):
     return 1.0 / (1.0 + jnp.sum(jnp.abs(dots) * mask, axis=-1))
 
 
-def _normalize_step(spec: _Spec, grads, inputs):
-    """With "normalized", each layer's gradient over 1 + ‖x‖² of its input x, and the inputs the DGD
-    preconditioner sees scaled to x / √(1 + ‖x‖²) (so its term η xᵀx W is divided alike)."""
-    if not spec.normalized:
-        return grads, inputs
-    scales = [_input_scale(x) for x in inputs]
+def _normalize_step(spec: _Spec, grads, inputs, scales=None):
+    """Each layer's gradient times its step scale (default, with "normalized": 1 / (1 + ‖x‖²) of its input x;
+    the "overlap" step passes its own), and the inputs the DGD preconditioner sees times its square root (so
+    its term η xᵀx W is divided alike)."""
+    if scales is None:
+        if not spec.normalized:
+            return grads, inputs
+        scales = [_input_scale(x) for x in inputs]
     grads = tuple(g * s[..., None, None] for g, s in zip(grads, scales))
     inputs = [x * jnp.sqrt(s)[..., None] for x, s in zip(inputs, scales)]
     return grads, inputs
@@ -356,8 +358,7 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         mask = (jnp.arange(spec.minibatch) <= state.pos).astype(k.dtype)
         scales = [_overlap_scale(jnp.einsum("...d,...jd->...j", x, e, precision=spec.precision), mask)
                   for x, e in zip(inputs, earlier)]
-        grads = tuple(g * s[..., None, None] for g, s in zip(grads, scales))
-        inputs = [x * jnp.sqrt(s)[..., None] for x, s in zip(inputs, scales)]
+        grads, inputs = _normalize_step(spec, grads, inputs, scales)
     else:
         grads, inputs = _normalize_step(spec, grads, inputs)
     theta, U = spec.opt.step(state.theta, state.U, grads, inputs, _gate4(eta), _gate4(mu), _gate4(a))

@@ -80,7 +80,9 @@ def first_pass_traffic(cfg, n_params: int, seq_len: int, sequences: int) -> tupl
     bytes they move per device for `sequences` sequences: each pass reads every weight twice (the chunk's
     forward and its backward to `Δ`, in the compute dtype) and each sequence's float32 `Δ` three times (read
     forward and backward, written by the update). Memory-bound: a pass multiplies `sequences x chunk` rows
-    by each weight, far below a TPU's FLOP/byte ridge."""
+    by each weight, far below a TPU's FLOP/byte ridge. `(0, 0.0)` for a static chain (`cms.update="none"`)."""
+    if cfg.cms["update"] != "ntp":
+        return 0, 0.0
     passes = -(-seq_len // min(cfg.cms.periods)) - 1
     delta = cfg.num_layers * sum(3 * cfg.d_model * w for w in level_widths(cfg)) * 4
     weight = 2 * n_params * np.dtype(cfg.dtype).itemsize
@@ -404,5 +406,5 @@ class HopeModel(LanguageModel):
         return jnp.swapaxes(logits, 0, 1), cache
 
 
-register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope,
+register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope, serial_traffic=first_pass_traffic,
          migrations=(*SELF_REFERENTIAL_MIGRATIONS, ("model.cms.decay", (0.0,))))  # runs saved before CMS retention

@@ -111,7 +111,7 @@ class Report:
     largest: list = dataclasses.field(default_factory=list)  # the largest buffers (XLA's, else the program's arrays)
     device_arrays: list = dataclasses.field(default_factory=list)  # the compiled program's largest, per device
     serial_passes: int = 0  # Hope's pass 1: sequential whole-model passes per micro-batch (0: none)
-    serial_bytes: float = 0.0  # their HBM traffic per device and step, a lower bound (nlearn.models.hope)
+    serial_bytes: float = 0.0  # their HBM traffic per device and step, a lower bound (the family's serial_traffic)
 
     @property
     def total_bytes(self) -> float | None:
@@ -191,12 +191,13 @@ def compile_step(config, topology: str = "cpu") -> Report:
                     config.model.dtype, setup.n_params, per_device_bytes(setup.abstract_state["params"]),
                     per_device_bytes(setup.abstract_state["opt_state"]), None, chip.hbm_bytes if chip else None,
                     analytic_flops=analytic)
-    if config.model.family == "hope" and config.model.cms["update"] == "ntp":
-        from nlearn.models.hope import first_pass_traffic
+    from nlearn.models import FAMILIES
 
+    serial_traffic = FAMILIES[config.model.family].serial_traffic
+    if serial_traffic is not None:
         shards = report.mesh.get("data", 1) * report.mesh.get("fsdp", 1)
         per_device = max(1, t.batch_size // (t.grad_accum * shards))
-        report.serial_passes, serial = first_pass_traffic(config.model, setup.n_params, t.seq_len, per_device)
+        report.serial_passes, serial = serial_traffic(config.model, setup.n_params, t.seq_len, per_device)
         report.serial_bytes = serial * t.grad_accum
     began, lowered = time.perf_counter(), None
     try:
