@@ -239,3 +239,13 @@ def test_mqar_row_is_the_median_over_seeds_with_each_seed_shown():
         "| titans_lmm | 97.0% | 99.0 / 50.0 / 97.0% (seeds 0,1,2) | 0.35M | 1.0 min | 9 of 10 |")
     failed = mqar.seed_row("titans_lmm", runs[:2] + [{"seed": 2, "error": "boom"}])
     assert "seed 2: boom" in mqar.table([failed], 10)
+
+
+def test_step_cost_compiles_a_row_with_its_overrides_and_refuses_an_unknown_key():
+    step_cost = load_script("step_cost")
+    step, state, data = step_cost.compiled_step("deltanet:model.memory.gate_conv=True", 2, 16)
+    assert int(state["step"]) == 1 and data["inputs"].shape == (2, 16)
+    state, _ = step(state, data)
+    assert int(state["step"]) == 2
+    with pytest.raises(ValueError, match="model.memory.gate_cnv"):
+        step_cost.compiled_step("deltanet:model.memory.gate_cnv=True", 2, 16)
