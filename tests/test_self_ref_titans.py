@@ -82,6 +82,7 @@ def test_presets_have_their_pinned_sizes(preset):
     ("conv_size", -1, "integer >= 0"),
     ("targets", "moving", "chunk, initial"),
     ("inner_step", "nlms", "plain, normalized"),
+    ("retain_to", "one", "zero, initial"),
 ])
 def test_bad_memory_values_are_refused_naming_the_key(key, value, needle):
     config = self_ref_titans.get_config("tiny")
@@ -110,7 +111,7 @@ def _forward(config, x_BTD):
 OVERRIDES = ["read=before_write", "read=chunk_start", "dgd=False", "dgd_output=True", "self_targets=False",
              "adaptive_q=True", "chunk_memory=8", "chunk_other=4", "lr_max=0.25", "expansion=2", "activation=silu",
              "retain_init=0.9", "lr_init=0.3", "conv_size=2", "conv_init=uniform", "targets=initial",
-             "inner_step=normalized", "read_residual=False"]
+             "inner_step=normalized", "read_residual=False", "retain_to=initial"]
 
 
 def test_a_memory_key_is_a_one_line_override():
@@ -147,7 +148,8 @@ def _check_override(override):
 
 @pytest.mark.parametrize("memory", [dict(), pytest.param(dict(chunk_memory=8, chunk_other=4, read="chunk_start"),
                                                           marks=pytest.mark.slow),
-                                    pytest.param(dict(read_residual=False), marks=pytest.mark.slow)])
+                                    pytest.param(dict(read_residual=False), marks=pytest.mark.slow),
+                                    dict(retain_to="initial")])
 def test_decoding_equals_the_forward_with_a_constant_size_cache(memory):
     """A 5-token prompt, then one token at a time across chunk boundaries of both grids."""
     config = small(**memory)

@@ -63,7 +63,7 @@ class SelfReferentialMixer(nnx.Module):
         self.options = dict(lr_max=mem.lr_max, chunk_memory=mem.chunk_memory, chunk_other=mem.chunk_other,
                             activation=mem.activation, dgd=mem.dgd, dgd_output=mem.dgd_output, read=mem.read,
                             self_targets=mem.self_targets, adaptive_q=mem.adaptive_q, targets=mem.targets,
-                            inner_step=mem.inner_step)
+                            inner_step=mem.inner_step, retain_to=mem.retain_to)
         self.read_residual = mem.read_residual
 
     def weights0(self) -> dict:

@@ -34,6 +34,11 @@ targets each write also moves its own target, so the error map is not a contract
 learned target) and trained generators drive the fast weights to overflow within tens of tokens; with fixed
 targets every write is a plain regression step toward them.
 
+`retain_to="initial"` (choice; by default retention pulls toward zero): retention toward the memory's
+meta-learned initial weights, W_t = W_0 + retain_t (W_{t−1} − W_0) − …, so a memory that forgets returns to what
+the outer loop taught it instead of to zero (for W' = W − W_0 the same recurrence with the DGD step's gradient
+δ + k W_0, so the chunked form runs on W' and adds W_0 back).
+
 `inner_step="normalized"` (choice; the default steps are `"plain"`): normalised steps, so a write cannot
 amplify. The input layers' keys k are unit vectors, so DGD's factor retain − lr|k|² stays in [0, 1], but the
 curvature along k of the loss through the output layer is |k|²·‖W_out‖²·act'², and the output layers' key h is
@@ -66,6 +71,7 @@ GENERATORS = ("k", "v", "lr", "retain")
 SCALAR_MEMORIES = ("lr", "retain")
 READS = ("after_write", "before_write", "chunk_start")
 TARGETS = ("chunk", "initial")
+RETAIN_TOS = ("zero", "initial")
 INNER_STEPS = ("plain", "normalized")
 IMPLS = ("chunked", "recurrent")
 L2_EPS = 1e-6
@@ -100,6 +106,7 @@ class _Spec:
     inner_step: str
     adaptive_q: bool
     precision: object
+    retain_to: str = "zero"
 
     @property
     def period(self) -> int:
@@ -112,7 +119,7 @@ def memory_names(adaptive_q: bool = False) -> tuple:
 
 
 def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, self_targets, adaptive_q, lr_max,
-               precision, targets="chunk", inner_step="plain") -> _Spec:
+               precision, targets="chunk", inner_step="plain", retain_to="zero") -> _Spec:
     check_positive("chunk_memory", chunk_memory)
     check_positive("chunk_other", chunk_other)
     if max(chunk_memory, chunk_other) % min(chunk_memory, chunk_other):
@@ -123,13 +130,16 @@ def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, 
         raise ValueError(f"unknown read {read!r}; valid reads: {list(READS)}")
     if targets not in TARGETS:
         raise ValueError(f"unknown targets {targets!r}; valid targets: {list(TARGETS)}")
+    if retain_to not in RETAIN_TOS:
+        raise ValueError(f"unknown retain_to {retain_to!r}; valid choices: {list(RETAIN_TOS)}")
     if inner_step not in INNER_STEPS:
         raise ValueError(f"unknown inner_step {inner_step!r}; valid inner steps: {list(INNER_STEPS)}")
     if isinstance(lr_max, (int, float)) and not 0 < lr_max <= LR_MAX_BOUND:
         raise ValueError(f"lr_max must be in (0, {LR_MAX_BOUND:g}] (above it DGD's factor retain - lr |k|^2 can turn "
                          f"negative), got {lr_max!r}")
     return _Spec(ACTIVATIONS[activation], memory_names(adaptive_q), chunk_memory, chunk_other, lr_max, bool(dgd),
-                 bool(dgd_output), read, bool(self_targets), targets, inner_step, bool(adaptive_q), precision)
+                 bool(dgd_output), read, bool(self_targets), targets, inner_step, bool(adaptive_q), precision,
+                 retain_to)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,12 +209,14 @@ def _as_state(initial_state, weights0, names, batch, heads, dim) -> SelfRefTitan
     return init_state(initial_state, batch)
 
 
-def _target_weights(spec: _Spec, weights0, heads: int, dim: int, dt):
-    """The fixed weights the targets come from with `targets="initial"` (else None)."""
-    if spec.targets != "initial":
+def _initial_weights(spec: _Spec, weights0, heads: int, dim: int, dt):
+    """The fixed initial weights that `targets="initial"` takes its targets from and `retain_to="initial"`
+    retains toward (else None)."""
+    if spec.targets != "initial" and spec.retain_to != "initial":
         return None
     if weights0 is None:
-        raise ValueError("targets='initial' takes the targets from weights0: pass weights0")
+        which = "targets='initial' takes the targets" if spec.targets == "initial" else "retain_to='initial' retains"
+        raise ValueError(f"{which} from weights0: pass weights0")
     _check_weights(weights0, spec.names, heads, dim, None)
     return {n: tuple(w.astype(dt) for w in weights0[n]) for n in spec.names}
 
@@ -287,6 +299,11 @@ def _errors(spec: _Spec, names, start, k, v, target0=None):
     return out
 
 
+def _targets_from(spec: _Spec, w0):
+    """The initial weights as `_errors`' target weights with `targets="initial"`, else None."""
+    return w0 if spec.targets == "initial" else None
+
+
 def _output_lr_scale(spec: _Spec, h):
     """The output layers' lr factor per token: 1 (plain) or 1 / (1 + ‖h‖²) (normalized), h [.., C, Dh]."""
     return None if spec.inner_step == "plain" else 1.0 / (1.0 + jnp.sum(h * h, axis=-1))
@@ -300,7 +317,7 @@ def _bias(name, lr_bias, retain_bias):
 # Recurrent form: one token at a time (the reference and the decode step)
 
 
-def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t, target0=None):
+def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t, w0=None):
     """One token for all (batch, head): x_t, q_t [B, H, D]. Returns (o_t [B, H, D], new state)."""
     pos = state.pos
     fresh = {n: (pos % (spec.chunk_memory if n == "memory" else spec.chunk_other)) == 0 for n in spec.names}
@@ -311,7 +328,7 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
     k, lr, retain = g["k"], g["lr"][..., None], g["retain"][..., None]  # gates [B, H, 1, 1]
     k_col = jnp.swapaxes(k, -1, -2)  # [B, H, D, 1]
     new = {}
-    pieces = _errors(spec, spec.names, start, k, g["v"], target0)
+    pieces = _errors(spec, spec.names, start, k, g["v"], _targets_from(spec, w0))
     for n in spec.names:
         h, e, delta = pieces[n]
         w_in, w_out = state.weights[n]
@@ -319,16 +336,19 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
         step_out = e + _mm(spec, h, w_out) if spec.dgd_output else e
         scale = _output_lr_scale(spec, h)
         lr_out = lr if scale is None else lr * scale[..., None]
-        new[n] = (retain * w_in - lr * _mm(spec, k_col, step_in),
-                  retain * w_out - lr_out * _mm(spec, jnp.swapaxes(h, -1, -2), step_out))
+        kept_in, kept_out = retain * w_in, retain * w_out
+        if spec.retain_to == "initial":  # what retention lets go returns to the initial weights
+            kept_in, kept_out = kept_in + (1 - retain) * w0[n][0], kept_out + (1 - retain) * w0[n][1]
+        new[n] = (kept_in - lr * _mm(spec, k_col, step_in),
+                  kept_out - lr_out * _mm(spec, jnp.swapaxes(h, -1, -2), step_out))
     read_state = {"after_write": new, "before_write": state.weights, "chunk_start": start}[spec.read]["memory"]
     o = _apply(spec, read_state, g["q"])[..., 0, :]
     return o, SelfRefTitansState(new, start, (pos + 1) % spec.period)
 
 
-def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q, target0=None):
+def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q, w0=None):
     def body(st, xs):
-        o, st = _token_step(spec, lr_bias, retain_bias, st, *xs, target0=target0)
+        o, st = _token_step(spec, lr_bias, retain_bias, st, *xs, w0=w0)
         return st, o
 
     state, o = _sqrt_scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(q, 1, 0)))
@@ -395,35 +415,55 @@ def _layer_values(spec: _Spec, g, dec: _Decay, s, keys, grad, dgd: bool):
     return _mm(spec, tinv, rhs - _mm(spec, (beta * dec.eg)[..., None] * k, s))
 
 
-def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None, target0=None):
+def _write_chunk(spec: _Spec, g, dec, names, start, cur, q=None, w0=None):
     """Chunk-end weights of `names` from the errors at their chunk-start states (the DGD solve shared
     by all their input layers) and, with q, the memory's read o_t = q_t + act(q_t W_in) W_out at the
-    `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention."""
-    pieces = _errors(spec, names, start, g["k"], g["v"], target0)
-    u_in = _layer_values(spec, g, dec, jnp.concatenate([cur[n][0] for n in names], axis=-1), g["k"],
-                         jnp.concatenate([pieces[n][2] for n in names], axis=-1), spec.dgd)
+    `read` state: q_t W_in,t from the WY outputs, act(·) W_out,t as a masked decayed attention. With
+    `retain_to="initial"` the recurrences run on W − W_0 (the DGD steps' gradients then gain key·W_0)."""
+    pieces = _errors(spec, names, start, g["k"], g["v"], _targets_from(spec, w0))
+    anchor = {n: w0[n] if spec.retain_to == "initial" else (None, None) for n in names}  # (W_in,0, W_out,0)
+
+    def off(w, a):  # the recurrence's variable: W, or W − W_0
+        return w if a is None else w - a
+
+    def on(w, a):
+        return w if a is None else w + a
+
+    def grad(key, gr, a, dgd):
+        return gr if a is None or not dgd else gr + _mm(spec, key, a)
+
+    u_in = _layer_values(spec, g, dec, jnp.concatenate([off(cur[n][0], anchor[n][0]) for n in names], axis=-1),
+                         g["k"], jnp.concatenate([grad(g["k"], pieces[n][2], anchor[n][0], spec.dgd) for n in names],
+                                                 axis=-1), spec.dgd)
     new, out, col = {}, None, 0
     for n in names:
         h, e, _ = pieces[n]
+        a_in, a_out = anchor[n]
         width = cur[n][0].shape[-1]
         reads = n == "memory" and q is not None
         per_token = reads and spec.read != "chunk_start"
-        w_in, zq = _decayed_memory(spec, dec, cur[n][0], g["k"], u_in[..., col:col + width], q if per_token else None)
+        w_in, zq = _decayed_memory(spec, dec, off(cur[n][0], a_in), g["k"], u_in[..., col:col + width],
+                                   q if per_token else None)
+        w_in = on(w_in, a_in)
         col += width
         hq = None
         if reads:
-            hq = spec.act(zq if per_token else _mm(spec, q, start[n][0]))
+            hq = spec.act(on(zq, None if a_in is None else _mm(spec, q, a_in)) if per_token
+                          else _mm(spec, q, start[n][0]))
         scale = _output_lr_scale(spec, h)
         g_out = g if scale is None else dict(g, lr=g["lr"] * scale, beta=g["beta"] * scale)
-        u_out = _layer_values(spec, g_out, dec, cur[n][1], h, e, spec.dgd_output)
-        w_out, yo = _decayed_memory(spec, dec, cur[n][1], h, u_out, hq if per_token else None)
+        u_out = _layer_values(spec, g_out, dec, off(cur[n][1], a_out), h, grad(h, e, a_out, spec.dgd_output),
+                              spec.dgd_output)
+        w_out, yo = _decayed_memory(spec, dec, off(cur[n][1], a_out), h, u_out, hq if per_token else None)
+        w_out = on(w_out, a_out)
         if reads:
-            out = q + (yo if per_token else _mm(spec, hq, start[n][1]))
+            out = q + (on(yo, None if a_out is None else _mm(spec, hq, a_out)) if per_token
+                       else _mm(spec, hq, start[n][1]))
         new[n] = (w_in, w_out)
     return new, out
 
 
-def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, target0=None):
+def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, w0=None):
     """One period of L = max(chunk sizes) tokens: the generators' chunks, then the memory's.
 
     carry: (current weights, the chunk-start weights of the last chunk holding a live token, or None).
@@ -458,7 +498,7 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, target0=No
             on = live[sl]
             g.update(lr=jnp.where(on, g["lr"], 0.0), beta=jnp.where(on, g["beta"], 0.0),
                      log_retain=jnp.where(on, g["log_retain"], 0.0))
-        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, target0=target0)
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, w0=w0)
         weights.update(new)
         record(gens, start, sl)
         parts.append(g)
@@ -471,7 +511,7 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, target0=No
         g = {key: val[:, :, sl] for key, val in gen.items()}
         start = starts(["memory"], i, size)
         new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"],
-                              target0=target0)
+                              w0=w0)
         weights.update(new)
         record(["memory"], start, sl)
         outs.append(o)
@@ -492,7 +532,7 @@ def _pieces(p: int, t_len: int, size: int) -> list:
     return out
 
 
-def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int, target0=None):
+def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int, w0=None):
     """Tokens at static positions [p, p + t) of one period (x, q [B, H, t, D], p + t <= L): only the chunks
     they touch, each cut to its tokens; a piece that starts inside a chunk reads the stored chunk-start
     weights. The padded block with its dead tokens masked computes the same at the cost of the whole period."""
@@ -502,7 +542,7 @@ def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     for sl, fresh in _pieces(p, x.shape[2], spec.chunk_other):
         start = {n: weights[n] if fresh else starts[n] for n in gens}
         g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
-        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, target0=target0)
+        new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, w0=w0)
         weights.update(new)
         starts.update(start)
         parts.append(g)
@@ -513,14 +553,14 @@ def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
         g = {key: val[:, :, sl] for key, val in gen.items()}
         start = {"memory": weights["memory"] if fresh else starts["memory"]}
         new, o = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), ["memory"], start, weights, q=g["q"],
-                              target0=target0)
+                              w0=w0)
         weights.update(new)
         starts.update(start)
         outs.append(o)
     return jnp.concatenate(outs, axis=2), weights, starts
 
 
-def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool, target0=None):
+def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool, w0=None):
     """Blocks of L = max(chunk sizes) tokens through a rematerialised `lax.scan`; the stream's
     position p puts token 0 at index p of a timeline of whole blocks whose other tokens write nothing."""
     bsz, t_len, heads, dim = x.shape
@@ -528,7 +568,7 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     p = _static_int(state.pos)
     if p is not None and p % size + t_len <= size and t_len < size:  # inside one period: its chunks only
         o, weights, starts = _segment(spec, lr_bias, retain_bias, state, jnp.swapaxes(x, 1, 2),
-                                      jnp.swapaxes(q, 1, 2), p % size, target0)
+                                      jnp.swapaxes(q, 1, 2), p % size, w0)
         pos = np.asarray((p + t_len) % size, np.int32)
         return jnp.swapaxes(o, 1, 2), SelfRefTitansState(weights, starts if want_start else state.start, pos)
     if p is not None:
@@ -557,11 +597,11 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     first = 0
     if not (isinstance(p, int) and p == 0):
         carry, o0 = _block(spec, lr_bias, retain_bias, carry, tmap(lambda z: z[0], xs), resume=(state.start, p),
-                           target0=target0)
+                           w0=w0)
         outs.append(o0[None])
         first = 1
     if n > first:
-        step = jax.checkpoint(lambda c, z: _block(spec, lr_bias, retain_bias, c, z, target0=target0))
+        step = jax.checkpoint(lambda c, z: _block(spec, lr_bias, retain_bias, c, z, w0=w0))
         carry, o = lax.scan(step, carry, tmap(lambda z: z[first:], xs))
         outs.append(o)
     o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [n, B, H, L, D]
@@ -580,7 +620,7 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
                             chunk_other: int = 64, activation: str = "gelu", dgd: bool = True,
                             dgd_output: bool = False, read: str = "after_write", self_targets: bool = True,
                             adaptive_q: bool = False, targets: str = "chunk", inner_step: str = "plain",
-                            initial_state=None, impl: str = "chunked", precision=HIGHEST,
+                            retain_to: str = "zero", initial_state=None, impl: str = "chunked", precision=HIGHEST,
                             return_stream_state: bool = False):
     """Run self-referential Titans over a sequence.
 
@@ -591,6 +631,7 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     targets: "chunk" (docs/self_referential.md: v̂ from each memory's chunk-start state) or "initial" (v̂ from weights0,
       which must then be given, also with initial_state; see the module docstring).
     inner_step: "plain" (docs/self_referential.md) or "normalized" (see the module docstring).
+    retain_to: "zero" (docs/self_referential.md) or "initial" (toward weights0, which must then be given).
     initial_state: a weights dict like the returned state (continues a stream split on a chunk
       boundary of both grids) or a `SelfRefTitansState` (resumes anywhere).
     Returns `(o [B, T, H, D], state)`: the final weights `{name: (W_in, W_out)}` as `[B, H, ...]`,
@@ -598,7 +639,8 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     """
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
                       dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
-                      lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step)
+                      lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step,
+                      retain_to=retain_to)
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
     _check_inputs(x, q, lr_bias, retain_bias)
@@ -608,13 +650,13 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     x, q = x.astype(dt), q.astype(dt)
     lr_bias, retain_bias = jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt)
     state = _cast_state(state, dt)
-    target0 = _target_weights(spec, weights0, heads, dim, dt)
+    w0 = _initial_weights(spec, weights0, heads, dim, dt)
     if t_len == 0:
         o = jnp.zeros(x.shape, dt)
     elif impl == "recurrent":
-        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q, target0)
+        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q, w0)
     else:
-        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state, target0=target0)
+        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state, w0=w0)
     o = o.astype(out_dtype)
     return o, (state if return_stream_state else state.weights)
 
@@ -623,14 +665,16 @@ def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias
                                  chunk_memory: int = 16, chunk_other: int = 64, activation: str = "gelu",
                                  dgd: bool = True, dgd_output: bool = False, read: str = "after_write",
                                  self_targets: bool = True, adaptive_q: bool = False, targets: str = "chunk",
-                                 inner_step: str = "plain", weights0=None, precision=HIGHEST):
+                                 inner_step: str = "plain", retain_to: str = "zero", weights0=None,
+                                 precision=HIGHEST):
     """Decode one token: x_t, q_t [B, H, D]; `state` from `init_state` or
     `self_referential_titans(..., return_stream_state=True)`; weights0 as there (needed by
-    `targets="initial"`). Returns `(o_t [B, H, D], state)`; steps equal the full sequence across chunk
-    boundaries of both grids."""
+    `targets="initial"` and `retain_to="initial"`). Returns `(o_t [B, H, D], state)`; steps equal the full
+    sequence across chunk boundaries of both grids."""
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
                       dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
-                      lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step)
+                      lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step,
+                      retain_to=retain_to)
     if x_t.ndim != 3:
         raise ValueError(f"x_t must have shape [B, H, D], got shape {tuple(x_t.shape)}")
     _check_inputs(x_t[:, None], q_t[:, None] if q_t.ndim == 3 else q_t, lr_bias, retain_bias)
@@ -641,7 +685,7 @@ def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias
     out_dtype, dt = x_t.dtype, jnp.promote_types(x_t.dtype, jnp.float32)
     state = _cast_state(state, dt)
     o, state = _token_step(spec, jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt), state,
-                           x_t.astype(dt), q_t.astype(dt), _target_weights(spec, weights0, heads, dim, dt))
+                           x_t.astype(dt), q_t.astype(dt), _initial_weights(spec, weights0, heads, dim, dt))
     return o.astype(out_dtype), state
 
 

@@ -42,6 +42,7 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
     c.targets = "chunk"  # v̂ from each memory's chunk-start state; "initial": from its initial weights (stable)
+    c.retain_to = "zero"  # what retention pulls toward; "initial": the meta-learned initial weights, not zero
     c.inner_step = "normalized"  # bounded input and output steps; "plain": docs/self_referential.md's, which overflow
     c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection
     c.lr_max = 0.5  # lr_t = lr_max * retain_t * sigmoid(M_lr(x_t)); <= 1 keeps the DGD factor >= 0
@@ -64,7 +65,7 @@ def _is_int(value) -> bool:
 def validate(config) -> None:
     """Refuse what the op or the layer cannot run, before anything is built."""
     from nlearn.memory.neural_memory import ACTIVATIONS
-    from nlearn.memory.self_referential import INNER_STEPS, LR_MAX_BOUND, READS, TARGETS
+    from nlearn.memory.self_referential import INNER_STEPS, LR_MAX_BOUND, READS, RETAIN_TOS, TARGETS
 
     mem = config.model.memory
     for key, low in (("chunk_memory", 1), ("chunk_other", 1), ("expansion", 1), ("conv_size", 0)):
@@ -77,6 +78,8 @@ def validate(config) -> None:
         _fail("read", mem.read, f"valid choices: {', '.join(READS)}")
     if mem.targets not in TARGETS:
         _fail("targets", mem.targets, f"valid choices: {', '.join(TARGETS)}")
+    if mem.retain_to not in RETAIN_TOS:
+        _fail("retain_to", mem.retain_to, f"valid choices: {', '.join(RETAIN_TOS)}")
     if mem.inner_step not in INNER_STEPS:
         _fail("inner_step", mem.inner_step, f"valid choices: {', '.join(INNER_STEPS)}")
     if mem.activation not in ACTIVATIONS:
@@ -98,6 +101,7 @@ def _make_mixer(cfg, layer_index, rngs):
 
 # Keys added after runs were saved (here and by `hope`), with the value such a run trained with.
 MIGRATIONS = (("model.memory.dgd_output", False), ("model.memory.targets", "chunk"),
-              ("model.memory.inner_step", "plain"), ("model.memory.read_residual", True))
+              ("model.memory.inner_step", "plain"), ("model.memory.read_residual", True),
+              ("model.memory.retain_to", "zero"))
 register("self_ref_titans", _make_mixer, validate, migrations=MIGRATIONS,
          flops=flops.per_head(lambda cfg, t, d, be: flops.self_referential(t, d, cfg.memory)))

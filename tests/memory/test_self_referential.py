@@ -77,10 +77,13 @@ def _generated(start, xt, bias, f, lr_max=LR_MAX):
     return k, v, retain, lr_max * retain * jax.nn.sigmoid(_mem("lr", start["lr"], xt, bias, f))
 
 
-def dgd_write(cur, k, grad, lr, retain, dgd=True):
-    """W_t = (retain I − lr kᵀk) W_{t−1} − lr·grad (without DGD: retain W_{t−1} − lr·grad); gates [B, H]."""
+def dgd_write(cur, k, grad, lr, retain, dgd=True, anchor=None):
+    """W_t = (retain I − lr kᵀk) W_{t−1} − lr·grad (without DGD: retain W_{t−1} − lr·grad); gates [B, H]. With
+    an anchor W_0 the retention keeps W_0 + retain (W_{t−1} − W_0) instead of retain W_{t−1}."""
     lr, retain = lr[..., None, None], retain[..., None, None]
     new = retain * cur - lr * grad
+    if anchor is not None:
+        new = new + (1.0 - retain) * anchor
     if dgd:
         new = new - lr * k[..., :, None] * EIN("bhd,bhdf->bhf", k, cur)[..., None, :]
     return new
@@ -88,7 +91,7 @@ def dgd_write(cur, k, grad, lr, retain, dgd=True):
 
 def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memory, chunk_other, activation="gelu",
               dgd=True, dgd_output=False, read="after_write", self_targets=True, adaptive_q=False, targets="chunk",
-              inner_step="plain"):
+              inner_step="plain", retain_to="zero"):
     """o [B, T, H, D] and the final weights; call it under `jax.enable_x64(True)` with float64 inputs."""
     f, df = _act(activation)
     bsz, t_len = x.shape[:2]
@@ -116,8 +119,9 @@ def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memo
             g_in = k[..., :, None] * delta[..., None, :]
             g_out = f(z)[..., :, None] * e[..., None, :]
             lr_out = lr / (1.0 + jnp.sum(f(z) ** 2, -1)) if inner_step == "normalized" else lr
-            new[n] = (dgd_write(weights[n][0], k, g_in, lr, retain, dgd),
-                      dgd_write(weights[n][1], f(z), g_out, lr_out, retain, dgd_output))
+            a_in, a_out = initial[n] if retain_to == "initial" else (None, None)
+            new[n] = (dgd_write(weights[n][0], k, g_in, lr, retain, dgd, a_in),
+                      dgd_write(weights[n][1], f(z), g_out, lr_out, retain, dgd_output, a_out))
         state = {"after_write": new, "before_write": weights, "chunk_start": start}[read]["memory"]
         outs.append(_mem("memory", state, qt, bias, f))
         weights = new
@@ -157,7 +161,7 @@ def op_kwargs(cfg):
                 activation=cfg.get("act", "gelu"), dgd=cfg.get("dgd", True), dgd_output=cfg.get("dgo", False),
                 read=cfg.get("read", "after_write"),
                 self_targets=cfg.get("st", True), adaptive_q=cfg.get("aq", False), targets=cfg.get("tg", "chunk"),
-                inner_step=cfg.get("os", "plain"))
+                inner_step=cfg.get("os", "plain"), retain_to=cfg.get("rt", "zero"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +173,7 @@ RECURRENT_CFGS = [
     dict(read="chunk_start", st=False, aq=True, act="tanh"),
     dict(read="before_write", dgo=True),
     dict(cm=4, co=2, tg="initial", os="normalized", dgo=True),
+    dict(cm=2, co=4, rt="initial", dgo=True, read="before_write"),
 ]
 
 
@@ -209,6 +214,7 @@ def test_step_equals_sequence_across_both_grids():
     (dict(impl="fast"), "impl"),
     (dict(targets="moving"), "targets"),
     (dict(inner_step="nlms"), "inner_step"),
+    (dict(retain_to="one"), "retain_to"),
 ])
 def test_bad_arguments_name_the_culprit(kwargs, culprit):
     x, q, w0, lb, rb = make_inputs(0, t_len=4)
@@ -217,10 +223,13 @@ def test_bad_arguments_name_the_culprit(kwargs, culprit):
         self_referential_titans(x, q, **kw)
 
 
-def test_initial_targets_need_weights0():
+def test_initial_targets_and_retention_need_weights0():
     x, q, w0, lb, rb = make_inputs(0, t_len=4)
     with pytest.raises(ValueError, match="targets='initial' takes the targets from weights0"):
         self_referential_titans(x, q, initial_state=self_referential_init_state(w0, B), targets="initial",
+                                lr_max=LR_MAX, lr_bias=lb, retain_bias=rb)
+    with pytest.raises(ValueError, match="retain_to='initial' retains from weights0"):
+        self_referential_titans(x, q, initial_state=self_referential_init_state(w0, B), retain_to="initial",
                                 lr_max=LR_MAX, lr_bias=lb, retain_bias=rb)
 
 
@@ -296,6 +305,7 @@ GRAD_CFGS = [
     dict(cm=2, co=4, dgo=True),  # DGD on the output layers too
     dict(cm=4, co=4, read="chunk_start", aq=True),
     dict(cm=2, co=4, tg="initial", os="normalized", dgo=True),  # the MQAR preset's options
+    dict(cm=2, co=4, rt="initial", os="normalized", dgo=True),  # retention toward the initial weights
 ]
 # The default suite checks one configuration; the others and the full sweep are slow.
 GRAD_PARAMS = GRAD_CFGS[:1] + [pytest.param(c, marks=pytest.mark.slow) for c in GRAD_CFGS[1:]]
@@ -305,6 +315,8 @@ SWEEP += [dict(cm=cm, co=co, read=r, dgo=True) for (cm, co) in ((2, 4), (4, 2)) 
 SWEEP += [dict(cm=cm, co=co, read=r, st=s, tg="initial") for (cm, co) in ((2, 4), (4, 2))
           for r in ("after_write", "before_write") for s in (True, False)]
 SWEEP += [dict(cm=cm, co=co, os="normalized", dgo=d) for (cm, co) in ((2, 4), (4, 2)) for d in (True, False)]
+SWEEP += [dict(cm=cm, co=co, rt="initial", read=r, dgd=d, dgo=d) for (cm, co) in ((2, 4), (4, 2))
+          for r in ("after_write", "before_write", "chunk_start") for d in (True, False)]
 
 
 def test_the_default_suites_gradient_case_is_the_layers_default():
@@ -329,6 +341,30 @@ def test_chunked_matches_reference_values_and_gradients(cfg):
     q = np.asarray(_probe(cfg)[0][1])
     assert rel_err(np.asarray(o) - q, o_ref - q) <= TOL
     assert_grads_close(g, g_ref)
+
+
+@pytest.mark.parametrize("cfg", [dict(cm=2, co=4, rt="initial", dgo=True),
+                                 dict(cm=4, co=2, rt="initial", read="chunk_start", dgd=False)], ids=cfg_id)
+def test_retention_toward_the_initial_weights_chunked_matches_reference(cfg):
+    """`retain_to="initial"`: the chunked form (run on W − W_0) equals the reference's W_0 + retain (W − W_0) − …,
+    outputs and final weights, over a length that divides neither grid; with every retain near 0 the memory
+    returns to W_0 where retention toward zero empties it."""
+    x, q, w0, lb, rb = make_inputs(4, t_len=13)
+    o, state = sr_fast(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    with jax.enable_x64(True):
+        o_ref, w_ref = reference(*f64((x, q, w0, lb, rb)), **op_kwargs(cfg))
+        o_ref, w_ref = np.asarray(o_ref), jax.tree_util.tree_map(np.asarray, w_ref)
+    assert rel_err(np.asarray(o) - np.asarray(q), o_ref - np.asarray(q)) <= TOL
+    for n in w_ref:
+        for a, b in zip(state[n], w_ref[n]):
+            assert rel_err(a, b) <= TOL, n
+    forget = jnp.full_like(rb, -30.0)  # retain ~ 1e-13: each token keeps nothing of the last state
+    tiny_lr = jnp.full_like(lb, -30.0)
+    for retain_to, want in (("initial", w0), ("zero", None)):
+        _, end = sr_fast(x, q, weights0=w0, lr_bias=tiny_lr, retain_bias=forget, **(op_kwargs(cfg) | dict(
+            retain_to=retain_to)))
+        for a, b in zip(end["memory"], want["memory"] if want else (0.0, 0.0)):
+            np.testing.assert_allclose(np.asarray(a), np.broadcast_to(np.asarray(b), a.shape), atol=1e-6)
 
 
 @pytest.mark.slow
@@ -488,19 +524,22 @@ def test_causal():
     assert float(jnp.abs(o[:, cut:] - o2[:, cut:]).max()) > 1e-3
 
 
-@pytest.mark.parametrize("split, targets", [(8, "chunk"), (7, "chunk"), (7, "initial")])
-def test_stream_split_continues_exactly(split, targets):
+@pytest.mark.parametrize("split, targets, retain_to", [(8, "chunk", "zero"), (7, "chunk", "zero"),
+                                                      (7, "initial", "zero"), (7, "chunk", "initial")])
+def test_stream_split_continues_exactly(split, targets, retain_to):
     """Split on a boundary of both grids (the weights dict resumes) and inside a chunk (the stream state)."""
-    cfg = dict(cm=2, co=4, tg=targets)
+    cfg = dict(cm=2, co=4, tg=targets, rt=retain_to)
     x, q, w0, lb, rb = make_inputs(11)
     kw = dict(lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
     o, state = sr_fast(x, q, weights0=w0, **kw)
     o1, st1 = sr_fast(x[:, :split], q[:, :split], weights0=w0, return_stream_state=split % 4 != 0, **kw)
-    more = dict(weights0=w0) if targets == "initial" else {}  # the targets' fixed weights
+    # the fixed initial weights of the targets or the retention
+    more = dict(weights0=w0) if "initial" in (targets, retain_to) else {}
     o2, st2 = sr_fast(x[:, split:], q[:, split:], initial_state=st1, **more, **kw)
-    assert rel_err(jnp.concatenate([o1, o2], 1) - q, o - q) <= 1e-5
+    tol = 1e-5 if retain_to == "zero" else 5e-5  # W − W_0 and back again rounds in float32
+    assert rel_err(jnp.concatenate([o1, o2], 1) - q, o - q) <= tol
     for a, b in zip(jax.tree_util.tree_leaves(st2), jax.tree_util.tree_leaves(state)):
-        assert rel_err(a, b) <= 1e-5
+        assert rel_err(a, b) <= tol
 
 
 @pytest.mark.parametrize("cfg", [dict(cm=2, co=4),
