@@ -192,16 +192,60 @@ def test_causal_end_to_end(model, tokens):
     assert not np.allclose(np.asarray(after[:, p:]), np.asarray(logits[:, p:]))
 
 
-def test_decoding_with_updates_equals_the_full_forward(model, tokens):
-    """A 6-token prompt, then one token at a time: the levels learn on what was seen."""
+def decoded(model, tokens, prompt: int = 6):
+    """The logits of decoding a `prompt`-token prompt, then one token at a time, and the final cache."""
     decode = jitted(model, "decode")
-    logits, cache = decode(tokens[:, :6], model.init_cache(2, 19))
+    t = tokens.shape[1]
+    logits, cache = decode(tokens[:, :prompt], model.init_cache(tokens.shape[0], t))
     steps = [logits]
-    for i in range(6, 19):
+    for i in range(prompt, t):
         logits, cache = decode(tokens[:, i:i + 1], cache)
         steps.append(logits)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(jitted(model)(tokens)), atol=1e-5)
+    return jnp.concatenate(steps, 1), cache
+
+
+def test_decoding_with_updates_equals_the_full_forward(model, tokens):
+    """A 6-token prompt, then one token at a time: the levels learn on what was seen."""
+    logits, cache = decoded(model, tokens)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(jitted(model)(tokens)), atol=1e-5)
     assert int(cache["pos"]) == 19
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_learned_rates_start_as_the_fixed_ones_and_learn_through_the_rebuild(tokens, scan):
+    """`cms.learn_lr=True`: at initialisation the forward is the fixed rates' forward; with each layer's rates
+    moved apart, decoding equals the full forward, and the outer gradient w.r.t. `log_lr` is the derivative of
+    the loss with pass 1's factors held fixed (a central difference checks it)."""
+    configs = [small(learn_lr=True), small()]
+    for config in configs:
+        with config.unlocked():
+            config.model.scan_layers = scan
+    learned, fixed = map(models.build, configs)
+    nnx.update(fixed, nnx.filter_state(nnx.state(learned, nnx.Param), lambda path, _: "log_lr" not in path))
+    np.testing.assert_allclose(np.asarray(jitted(learned)(tokens)), np.asarray(jitted(fixed)(tokens)), rtol=1e-5,
+                               atol=1e-6)
+    log_lr = learned.layers.cms.log_lr if scan else learned.blocks[1].cms.log_lr
+    log_lr[...] = log_lr[...] + jnp.asarray([0.7, -0.4])  # scanned: every layer; else the second one only
+    full = np.asarray(jitted(learned)(tokens))
+    np.testing.assert_allclose(np.asarray(decoded(learned, tokens)[0]), full, atol=1e-5)
+    assert not np.allclose(full, np.asarray(jitted(fixed)(tokens)), atol=1e-4)
+
+    graphdef, state = nnx.split(learned)
+    factors = jax.jit(lambda s: nnx.merge(graphdef, s).first_pass(tokens))(state)
+    loss_with_factors = jax.jit(lambda s: mean_ntp(nnx.merge(graphdef, s).run(tokens, factors=factors)[0], tokens))
+    grads = jax.jit(jax.grad(lambda s: mean_ntp(nnx.merge(graphdef, s)(tokens), tokens)))(state)
+    g_model = nnx.merge(graphdef, grads)
+    got = np.asarray((g_model.layers.cms.log_lr if scan else g_model.blocks[1].cms.log_lr)[...]).reshape(-1)
+    base, eps = log_lr[...], 2e-2  # float32 losses: a wider step keeps the difference above rounding
+
+    def loss_at(flat_index, step):
+        log_lr[...] = base.reshape(-1).at[flat_index].add(step).reshape(base.shape)
+        return float(loss_with_factors(nnx.split(learned)[1]))
+
+    want = np.asarray([(loss_at(i, eps) - loss_at(i, -eps)) / (2 * eps) for i in range(got.size)])
+    log_lr[...] = base
+    assert np.abs(got).max() > 0
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
 def test_updates_change_the_logits_and_none_is_static(model, tokens):
@@ -229,6 +273,12 @@ def test_bad_cms_values_are_refused_in_one_line(key, value, needle):
     with pytest.raises(UserError, match=needle) as err:
         validate(config)
     assert "\n" not in str(err.value)
+
+
+def test_learned_rates_refuse_a_zero_rate():
+    config = small(learn_lr=True, lr=(0.5, 0.0))
+    with pytest.raises(UserError, match="model.cms.lr=.*learned as its logarithm"):
+        validate(config)
 
 
 def test_bad_mixer_is_refused():

@@ -65,7 +65,7 @@ def factor_grads(factors: dict) -> dict:
             "down": outer(factors["a"], factors["down"])}
 
 
-def deltas_from_factors(factors: dict, *, period: int, n_segments: int, lr: float, decay: float, dtype):
+def deltas_from_factors(factors: dict, *, period: int, n_segments: int, lr, decay: float, dtype):
     """One `Δ` per period (leaves `[n_segments, B, ...]`, in `dtype`) of a level that starts at 0 and takes
     `Δ ← (1 − decay) Δ − lr Σ∇` at every period's end, its gradients given as per-token factors
     (`factor_grads`; leaves `[B, T', ·]`, tokens past T' contributing nothing). A scan over the periods: the
@@ -80,7 +80,7 @@ def deltas_from_factors(factors: dict, *, period: int, n_segments: int, lr: floa
 
     def step(delta, f):
         new = factor_grads(f)
-        return jax.tree.map(lambda d, g: (1.0 - decay) * d - lr * g, delta, new), jax.tree.map(
+        return jax.tree.map(lambda d, g: (1.0 - decay) * d - _per_row(lr, g) * g, delta, new), jax.tree.map(
             lambda d: d.astype(dtype), delta)
 
     b, d_model, width = factors["z"].shape[0], factors["z"].shape[-1], factors["a"].shape[-1]
@@ -89,20 +89,26 @@ def deltas_from_factors(factors: dict, *, period: int, n_segments: int, lr: floa
     return jax.lax.scan(step, zero, by_period)[1]
 
 
+def _per_row(lr, x):
+    """`lr` (a number, or one per stacked layer `[L]`) shaped to broadcast against `x` (`[L, B, ...]`)."""
+    lr = jnp.asarray(lr, jnp.float32)
+    return lr.reshape(lr.shape + (1,) * (x.ndim - lr.ndim))
+
+
 def accumulate_and_update(delta: list, gsum: list, grads: list, *, lrs, periods, pos, decays=None):
     """One chunk's gradients in: `gsum += grads`; every level whose period divides `pos` (the
     number of tokens seen, a chunk boundary) takes `Δ ← (1 − decay) Δ − lr Σ∇` and restarts its sum.
     The decay is a retention toward the level's meta-learned θ_ℓ,0 (Δ = θ_ℓ − θ_ℓ,0): with it a gradient
     that never lets up (norm G) holds ‖Δ‖ below lr·G / decay, where without it Δ grows by lr·G each
-    update. `delta`, `gsum`, `grads`: lists over levels of `{kernel: [B, ...]}`; `decays` one per level
-    (None: 0). Returns `(delta, gsum)`."""
+    update. `delta`, `gsum`, `grads`: lists over levels of `{kernel: [B, ...]}`; `lrs` one per level (each a
+    number, or `[L]` for stacked layers); `decays` one per level (None: 0). Returns `(delta, gsum)`."""
     new_delta, new_gsum = [], []
     decays = (0.0,) * len(lrs) if decays is None else decays
     for d, s, g, lr, period, decay in zip(delta, gsum, grads, lrs, periods, decays):
         s = jax.tree.map(jnp.add, s, g)
         boundary = (pos % period) == 0
         keep = 1.0 - decay
-        new_delta.append(jax.tree.map(lambda x, y: jnp.where(boundary, keep * x - lr * y, x), d, s))
+        new_delta.append(jax.tree.map(lambda x, y: jnp.where(boundary, keep * x - _per_row(lr, y) * y, x), d, s))
         new_gsum.append(jax.tree.map(lambda y: jnp.where(boundary, jnp.zeros_like(y), y), s))
     return new_delta, new_gsum
 
@@ -147,10 +153,11 @@ class CMSLevel(nnx.Module):
 class ContinuumMemory(nnx.Module):
     """K levels applied in `order` (fast_first: increasing period); `periods[i]`, `widths[i]`,
     `lrs[i]`, `decays[i]` describe the level applied i-th (`decays`: one number for every level, or one per
-    level; the retention toward θ_ℓ,0 of `accumulate_and_update`)."""
+    level; the retention toward θ_ℓ,0 of `accumulate_and_update`). With `learn_lr` each level's rate is
+    learned by the outer loop (as `log_lr`, starting at `lrs`); `rates()` gives the rates in use."""
 
     def __init__(self, d_model: int, *, periods, widths, lrs, order: str = "fast_first", eps: float,
-                 std: float, out_std: float, rngs: nnx.Rngs, decays=0.0):
+                 std: float, out_std: float, rngs: nnx.Rngs, decays=0.0, learn_lr: bool = False):
         idx = sorted(range(len(periods)), key=lambda i: periods[i], reverse=order == "slow_first")
         self.periods = tuple(int(periods[i]) for i in idx)
         self.lrs = tuple(float(lrs[i]) for i in idx)
@@ -159,6 +166,14 @@ class ContinuumMemory(nnx.Module):
         self.decays = tuple(float(decays[i]) for i in idx)
         self.levels = nnx.List([CMSLevel(d_model, int(widths[i]), eps=eps, std=std, out_std=out_std, rngs=rngs)
                                 for i in idx])
+        self.log_lr = nnx.Param(jnp.log(jnp.asarray(self.lrs, jnp.float32))) if learn_lr else nnx.data(None)
+
+    def rates(self) -> tuple:
+        """Each level's rate: the fixed `lrs`, or the learned ones (`[L]` each when the layers are stacked)."""
+        if self.log_lr is None:
+            return self.lrs
+        lr = jnp.exp(self.log_lr[...])
+        return tuple(lr[..., i] for i in range(len(self.lrs)))
 
     def zero_delta(self, batch: int) -> list:
         return [level.zero_delta(batch) for level in self.levels]
@@ -184,7 +199,7 @@ class ContinuumMemory(nnx.Module):
     def from_factors(self, h_BTD, factors: list):
         """The parallel pass: each level with one `Δ` per period rebuilt from the first pass's per-token
         factors (a list over levels, leaves `[B, T', ·]`)."""
-        for level, f, period, lr, decay in zip(self.levels, factors, self.periods, self.lrs, self.decays):
+        for level, f, period, lr, decay in zip(self.levels, factors, self.periods, self.rates(), self.decays):
             n = -(-h_BTD.shape[1] // period)
             delta = deltas_from_factors(f, period=period, n_segments=n, lr=lr, decay=decay, dtype=h_BTD.dtype)
             h_BTD = level(h_BTD, delta, period)

@@ -9,7 +9,8 @@ With `cms.update="ntp"` the forward takes the inputs `[B, T]` only and does both
    state; each chunk's summed next-token loss is differentiated w.r.t. `Δ` (the state carried in
    from earlier chunks a constant), the gradients are summed per level and applied at each level's
    boundary. The parameters enter under `stop_gradient`: `Δ` is a constant to the outer loss.
-2. the ordinary parallel forward, every level using the `Δ` of its period.
+2. the ordinary parallel forward, every level using the `Δ` of its period (rebuilt from pass 1's per-token
+   factors; with `cms.learn_lr` the rebuild's rates are parameters, so the outer loss reaches them through it).
 The window's last chunk is never differentiated: its gradients would only reach later windows.
 Decoding carries `Δ`, the running sums, the current chunk's tokens and the decoding state at its
 start; when the token after a chunk arrives it supplies the last target, the chunk's gradient is
@@ -53,6 +54,7 @@ def cms_config(**overrides) -> ml_collections.ConfigDict:
     # never lets up then holds |Δ| below lr |∇| / decay (HOPE.md's Δ has none and drifts without bound over a
     # long stream); 0.01 forgets half of Δ in ~70 updates (1.1K tokens at period 16).
     c.decay = (0.01, 0.01, 0.01)
+    c.learn_lr = False  # True: each level's lr is learned by the outer loop (per layer, starting at `lr`)
     c.widths = ()  # SwiGLU hidden width per level; (): the Transformer++ width split evenly across levels
     c.order = "fast_first"  # or "slow_first" (the paper's notation)
     c["update"] = "ntp"  # or "none": a static chain of MLPs (read it as cms["update"]: ConfigDict has .update)
@@ -112,6 +114,10 @@ def validate(config) -> None:
     if (not isinstance(cms.lr, (tuple, list)) or len(cms.lr) != k
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in cms.lr)):
         _fail("cms.lr", cms.lr, f"must be a tuple of {k} numbers >= 0 (one per period)")
+    if not isinstance(cms.learn_lr, bool):
+        _fail("cms.learn_lr", cms.learn_lr, "must be True or False")
+    if cms.learn_lr and not all(x > 0 for x in cms.lr):
+        _fail("cms.lr", cms.lr, "must be > 0 with cms.learn_lr=True (each rate is learned as its logarithm)")
     decay = cms.decay
     if (not isinstance(decay, (tuple, list)) or len(decay) not in (1, k)
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in decay)):
@@ -149,7 +155,8 @@ class HopeBlock(nnx.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.mixer = mixer
         self.cms = ContinuumMemory(cfg.d_model, periods=cfg.cms.periods, widths=level_widths(cfg), lrs=cfg.cms.lr,
-                                   decays=cfg.cms.decay, order=cfg.cms.order, eps=cfg.norm_eps, std=cfg.init_std,
+                                   decays=cfg.cms.decay, learn_lr=cfg.cms.learn_lr, order=cfg.cms.order,
+                                   eps=cfg.norm_eps, std=cfg.init_std,
                                    out_std=cfg.init_std / math.sqrt((k + 1) * cfg.num_layers), rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
@@ -255,10 +262,11 @@ class HopeModel(LanguageModel):
 
     def learn(self, deltas, gsums, grads, pos):
         """Add one chunk's gradients; levels whose period divides `pos` (tokens seen) update."""
-        rule = dict(lrs=self.cms.lrs, periods=self.cms.periods, pos=pos, decays=self.cms.decays)
-        if self.scanned:  # the update is elementwise: the stacked layers at once
-            return accumulate_and_update(deltas, gsums, grads, **rule)
-        out = [accumulate_and_update(d, s, g, **rule) for d, s, g in zip(deltas, gsums, grads)]
+        rule = dict(periods=self.cms.periods, pos=pos, decays=self.cms.decays)
+        if self.scanned:  # the update is elementwise: the stacked layers at once (learned rates: `[L]` each)
+            return accumulate_and_update(deltas, gsums, grads, lrs=self.cms.rates(), **rule)
+        out = [accumulate_and_update(d, s, g, lrs=block.cms.rates(), **rule)
+               for d, s, g, block in zip(deltas, gsums, grads, self.blocks)]
         return [o[0] for o in out], [o[1] for o in out]
 
     def first_pass(self, tokens_BT) -> list:
@@ -334,11 +342,14 @@ class HopeModel(LanguageModel):
                                         dtype=jnp.float32)
             return jax.tree.map(lambda d: d[np.arange(n) * c // period], stack)
 
-        rule = list(zip(cms.periods, cms.lrs, cms.decays))
-        if self.scanned:  # layers vmapped: leaves [L, B, T', ·] -> [n, L, B, ...]
+        if self.scanned:  # layers vmapped (each layer's rates): leaves [L, B, T', ·] -> [n, L, B, ...]
+            n_layers = factors[0]["z"].shape[0]
+            lrs = [jnp.broadcast_to(jnp.asarray(lr, jnp.float32), (n_layers,)) for lr in cms.rates()]
             return [jax.tree.map(lambda d: jnp.moveaxis(d, 0, 1), jax.vmap(
-                lambda ff, r=r: per_chunk(ff, *r))(f)) for f, r in zip(factors, rule)]
-        return [[per_chunk(f, *r) for f, r in zip(block_f, rule)] for block_f in factors]
+                lambda ff, lr, p=p, dc=dc: per_chunk(ff, p, lr, dc))(f, lr))
+                for f, p, lr, dc in zip(factors, cms.periods, lrs, cms.decays)]
+        return [[per_chunk(f, *r) for f, r in zip(block_f, zip(blk.cms.periods, blk.cms.rates(), blk.cms.decays))]
+                for block_f, blk in zip(factors, self.blocks)]
 
     def at_phase(self, caches, pos: int):
         """The mixers' caches told their stream position within a period as a Python int (pass 1
@@ -407,4 +418,5 @@ class HopeModel(LanguageModel):
 
 
 register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope, serial_traffic=first_pass_traffic,
-         migrations=(*SELF_REFERENTIAL_MIGRATIONS, ("model.cms.decay", (0.0,))))  # runs saved before CMS retention
+         # runs saved before CMS retention and learned rates
+         migrations=(*SELF_REFERENTIAL_MIGRATIONS, ("model.cms.decay", (0.0,)), ("model.cms.learn_lr", False)))
