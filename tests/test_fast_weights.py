@@ -7,10 +7,10 @@ from nlearn.eval.fast_weights import frobenius, max_fast_weight_norm
 from nlearn.memory.neural_memory import NeuralMemoryState
 
 
-def test_counts_memory_weights_not_momentum_or_attention():
+def test_counts_memory_weights_not_momentum_keys_or_attention():
     theta = (jnp.full((1, 1, 2, 2), 1.0), jnp.full((1, 1, 2, 2), 2.0))  # norms 2 and 4
     big = (jnp.full((1, 1, 2, 2), 100.0),) * 2
-    state = NeuralMemoryState(theta, big, big, jnp.zeros((), jnp.int32))
+    state = NeuralMemoryState(theta, big, big, jnp.zeros((), jnp.int32), jnp.full((1, 1, 16, 2), 100.0))
     cache = [{"convs": [jnp.full((1, 3, 4), 100.0)], "state": state, "kv": (jnp.full((1, 4, 1, 2), 100.0),)}]
     assert float(max_fast_weight_norm(cache)) == 4.0
     assert float(max_fast_weight_norm([{"kv": (jnp.ones((1, 4, 1, 2)),)}])) == 0.0  # attention only

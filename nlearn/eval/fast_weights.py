@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.tree_util import DictKey, GetAttrKey
 
-SKIPPED = ("U", "theta_start", "start", "pos")  # a state's momentum, chunk-start copies and counters
+# a state's momentum, chunk-start copies, counters and the current mini-batch's keys (inputs, not weights)
+SKIPPED = ("U", "theta_start", "start", "pos", "keys")
 
 
 def _is_fast_weight(path) -> bool:
