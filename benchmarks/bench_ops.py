@@ -139,7 +139,7 @@ CASES: list[Case] = [
 
 def _neural_memory_case(depth: int, mb: int, hidden: int | None = None, inner_step: str = "paper") -> Case:
     """Titans LMM: momentum and decay gates, l2 objective, gelu, hidden width 4·D (depth >= 2) unless given;
-    the paper's step or a bounded one (the layers' default, "ema+overlap": `memory.inner_step`)."""
+    the paper's step or a bounded one (the layers' default, "ema+overlap+gain": `memory.inner_step`)."""
 
     def make(rng, b, t, h, d):
         dims = [d] + [hidden or 4 * d] * (depth - 1) + [d]
@@ -163,8 +163,8 @@ def _neural_memory_case(depth: int, mb: int, hidden: int | None = None, inner_st
 
 
 CASES += [_neural_memory_case(depth, mb) for depth in (1, 2, 3) for mb in (1, 16, 64)]
-CASES += [_neural_memory_case(depth, mb, inner_step=step) for step in ("bounded", "ema+overlap") for depth in (1, 2)
-          for mb in (1, 16)]
+CASES += [_neural_memory_case(depth, mb, inner_step=step) for step in ("bounded", "ema+overlap", "ema+overlap+gain")
+          for depth in (1, 2) for mb in (1, 16)]
 
 # Self-referential Titans: five 2-layer memories (hidden SR_HIDDEN, gelu) generating k, v, lr, retain
 # and the read, DGD on, self-generated targets, read after write; memory chunk 16, others 64. Its

@@ -36,11 +36,12 @@ def neural_memory_config(**overrides) -> ml_collections.ConfigDict:
     c = linear_memory()
     del c.normalize
     c.optimizer = "momentum"  # inner optimizer: see nlearn.memory.inner_optimizers.INNER_OPTIMIZERS
-    # The step's form: "ema+overlap" (momentum as an EMA; each layer's step over 1 + the token's input overlap
-    # with its mini-batch so far, so b aligned keys share one step and orthogonal ones each take a full one;
-    # see nlearn.memory.neural_memory), "bounded" (averaged over the mini-batch: bounded too, but a lone write
-    # is b times weaker) or "paper" (Titans' summed step, which diverges with aligned keys: docs/paper_notes.md).
-    c.inner_step = "ema+overlap"
+    # The step's form: "ema+overlap+gain" (momentum as an EMA; each layer's step over 1 + the token's input
+    # overlap with its mini-batch so far times the layer's downstream gain, so b aligned keys share one step,
+    # orthogonal ones each take a full one and a large later layer cannot make an earlier one overshoot; see
+    # nlearn.memory.neural_memory), "ema+overlap" (without the gain), "bounded" (averaged over the mini-batch:
+    # a lone write is b times weaker) or "paper" (Titans' summed step, which diverges: docs/paper_notes.md).
+    c.inner_step = "ema+overlap+gain"
     c.objective = "l2"  # inner objective: see nlearn.memory.objectives.OBJECTIVES
     c.minibatch = 16  # tokens whose gradients share the mini-batch start state (1 = fully online)
     c.depth = 2  # MLP layers of the memory (1 = matrix memory)

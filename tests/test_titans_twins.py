@@ -99,16 +99,23 @@ def write_read(theta, U, anchor, q, k, v, eta, mu, alpha, step="paper", b=1, bat
     θ_t = (1 − α) θ + U_t, then the read f(q; θ_t). Layer inputs at the start state: x_1 = k, x_2 = gelu(k W_1).
     "bounded": η (1 − μ) / b and layer i's gradient over 1 + ‖x_i‖²; "ema+overlap": η (1 − μ) and layer i's
     gradient over 1 + Σ_j |x_i · x_i(k_j)| over the mini-batch's keys so far (`batch_keys [b, B, H, K]`, this one
-    included, zeros after it: a zero key has zero inputs)."""
+    included, zeros after it: a zero key has zero inputs); "+gain": that sum times the layer's gain, ‖δ_1‖² / ‖e‖²
+    for the first layer (δ_1 = e W_2ᵀ ⊙ gelu'(k W_1), e the output's error), 1 for the last."""
     grads = jax.grad(lambda th: 0.5 * jnp.sum((mlp(th, k) - v) ** 2))(anchor)
     inputs = lambda kk: (kk, gelu(jnp.einsum("bhd,bhdf->bhf", kk, anchor[0])))  # noqa: E731
     if step == "bounded":
         eta = eta * (1.0 - mu) / b
         grads = tuple(g / (1.0 + jnp.sum(x * x, -1))[..., None, None] for g, x in zip(grads, inputs(k)))
-    elif step == "ema+overlap":
+    elif step in ("ema+overlap", "ema+overlap+gain"):
         eta = eta * (1.0 - mu)
+        gains = (1.0, 1.0)
+        if step.endswith("+gain"):
+            e = mlp(anchor, k) - v
+            z1 = jnp.einsum("bhd,bhdf->bhf", k, anchor[0])
+            delta1 = jnp.einsum("bho,bhfo->bhf", e, anchor[1]) * jax.vmap(jax.vmap(jax.vmap(jax.grad(gelu))))(z1)
+            gains = (jnp.sum(delta1 ** 2, -1) / jnp.sum(e ** 2, -1), 1.0)
         earlier = [inputs(batch_keys[j]) for j in range(b)]
-        grads = tuple(g / (1.0 + sum(jnp.abs(jnp.sum(x * e[i], -1)) for e in earlier))[..., None, None]
+        grads = tuple(g / (1.0 + gains[i] * sum(jnp.abs(jnp.sum(x * e_[i], -1)) for e_ in earlier))[..., None, None]
                       for i, (g, x) in enumerate(zip(grads, inputs(k))))
     else:
         assert step == "paper", step

@@ -53,9 +53,16 @@ layer's input h is ‖h‖², which nothing bounds. The parts, each a change of 
                  ‖x_t‖² and the overlap with the earlier inputs; b = 1: "normalized"). Orthogonal inputs
                  each take a full normalised step, b inputs that point alike share about one: the
                  summed mini-batch stays bounded without averaging away a lone token's write.
+    gain:        with normalized or overlap, each layer's ‖x_t‖² (or overlap) times the token's downstream
+                 gain ‖δ_i,t‖² / ‖δ_L,t‖² (δ_i the error at layer i's output, δ_L at the memory's): a step on
+                 layer i moves the output along its error by η‖x‖²‖δ_i‖² / ‖δ_L‖² to first order, so the
+                 divisor bounds every layer's write as the normalised step bounds the last one's (whose gain
+                 is 1). Without it a hidden layer's step grows with the later layers' weights (‖W_2‖² for
+                 the first layer of a depth-2 memory), which the outer loop can make large.
 With mean, ema and normalized, a mini-batch moves the last layer's output by less than max η of its
-error, so for η ≤ 1 no write can overshoot (docs/paper_notes.md). The Titans default is "ema+overlap"
-("bounded", the three above, averages a lone token's write down by b: MQAR does not recall with it).
+error, so for η ≤ 1 no write can overshoot (docs/paper_notes.md). The Titans default is
+"ema+overlap+gain" ("bounded", mean+ema+normalized, averages a lone token's write down by b: MQAR does not
+recall with it).
 
 Two implementations with the same semantics:
 - impl="recurrent": per-token `jax.grad` of the inner loss inside `lax.scan`; any inner model or
@@ -118,7 +125,7 @@ ACTIVATIONS: dict[str, Callable] = {
 IMPLS = ("chunked", "recurrent")
 
 # The parts of a bounded inner step (see `inner_step` in the module docstring); "paper" is none of them.
-STEP_PARTS = ("mean", "ema", "normalized", "overlap")
+STEP_PARTS = ("mean", "ema", "normalized", "overlap", "gain")
 STEP_ALIASES = {"paper": (), "bounded": ("mean", "ema", "normalized")}
 
 
@@ -133,6 +140,9 @@ def step_parts(inner_step: str) -> frozenset:
                          f"{list(STEP_PARTS)} joined by '+'")
     if {"normalized", "overlap"} <= set(parts):
         raise ValueError(f"inner_step {inner_step!r}: 'overlap' already includes 'normalized'; pick one")
+    if "gain" in parts and not {"normalized", "overlap"} & set(parts):
+        raise ValueError(f"inner_step {inner_step!r}: 'gain' scales the divisor of 'normalized' or 'overlap'; "
+                         "join it with one of them")
     return frozenset(parts)
 
 
@@ -195,15 +205,37 @@ def _step_gates(spec: _Spec, eta, mu):
     return eta
 
 
-def _input_scale(x):
-    """1 / (1 + ‖x‖²) per token of a layer input x [..., d] (the normalised-LMS step's divisor)."""
-    return 1.0 / (1.0 + jnp.sum(jnp.square(x), axis=-1))
+def _input_scale(x, gain=None):
+    """1 / (1 + ‖x‖²) per token of a layer input x [..., d] (the normalised-LMS step's divisor); with the
+    token's downstream `gain` [...], 1 / (1 + gain·‖x‖²)."""
+    sq = jnp.sum(jnp.square(x), axis=-1)
+    return 1.0 / (1.0 + (sq if gain is None else gain * sq))
 
 
-def _overlap_scale(dots, mask):
+def _overlap_scale(dots, mask, gain=None):
     """1 / (1 + Σ_j |x·x_j|) from `dots [..., b]` of an input with its mini-batch's inputs, `mask` marking
-    the j up to the input itself (the "overlap" step's divisor)."""
-    return 1.0 / (1.0 + jnp.sum(jnp.abs(dots) * mask, axis=-1))
+    the j up to the input itself (the "overlap" step's divisor); with `gain`, the sum times it."""
+    total = jnp.sum(jnp.abs(dots) * mask, axis=-1)
+    return 1.0 / (1.0 + (total if gain is None else gain * total))
+
+
+def _gains(spec: _Spec, delta_norms):
+    """Per layer, each token's downstream gain ‖δ_i‖² / ‖δ_L‖² from the squared error norms `delta_norms`
+    (a list over layers of `[...]`), None for the last layer (gain 1) and for every layer without "gain"."""
+    if "gain" not in spec.step:
+        return [None] * len(delta_norms)
+    last = delta_norms[-1]
+    return [_ratio(d, last) for d in delta_norms[:-1]] + [None]
+
+
+def _ratio(a, b):
+    """a / b where b > 0, else 1 (a token without error writes nothing), with finite gradients either way."""
+    ok = b > 0
+    return jnp.where(ok, a / jnp.where(ok, b, 1.0), 1.0)
+
+
+def _squared_norms(deltas):
+    return [jnp.sum(jnp.square(d), axis=-1) for d in deltas]
 
 
 def _normalize_step(spec: _Spec, grads, inputs, scales=None):
@@ -349,6 +381,9 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         return jnp.sum(spec.objective(pred, v)), inputs
 
     grads, inputs = jax.grad(inner_loss, has_aux=True)(theta_s)
+    # One token's gradient is x_iᵀ δ_i, so ‖δ_i‖² = ‖g_i‖² / ‖x_i‖² (the gains' error norms).
+    gains = _gains(spec, [_ratio(jnp.sum(jnp.square(g), axis=(-2, -1)), jnp.sum(jnp.square(x), axis=-1))
+                          for g, x in zip(grads, inputs)])
     keys = state.keys
     if spec.overlap:  # this token's key joins the mini-batch's; each layer's divisor counts them up to it
         keys = _keys_buffer(state, k, spec.minibatch)
@@ -356,11 +391,11 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         keys = jnp.where(slot[:, None], k[..., None, :], keys)
         earlier = _mlp(spec, theta_s, keys)[1]  # each layer's inputs at the start state, [B, H, b, d_i]
         mask = (jnp.arange(spec.minibatch) <= state.pos).astype(k.dtype)
-        scales = [_overlap_scale(jnp.einsum("...d,...jd->...j", x, e, precision=spec.precision), mask)
-                  for x, e in zip(inputs, earlier)]
+        scales = [_overlap_scale(jnp.einsum("...d,...jd->...j", x, e, precision=spec.precision), mask, g)
+                  for x, e, g in zip(inputs, earlier, gains)]
         grads, inputs = _normalize_step(spec, grads, inputs, scales)
-    else:
-        grads, inputs = _normalize_step(spec, grads, inputs)
+    elif spec.normalized:
+        grads, inputs = _normalize_step(spec, grads, inputs, [_input_scale(x, g) for x, g in zip(inputs, gains)])
     theta, U = spec.opt.step(state.theta, state.U, grads, inputs, _gate4(eta), _gate4(mu), _gate4(a))
     o = _mlp(spec, theta, q)[0]
     new = NeuralMemoryState(theta, U, theta_s, (state.pos + 1) % spec.minibatch, keys)
@@ -505,11 +540,12 @@ def _chunk(spec: _Spec, theta_s, theta_c, U_c, xs, *, same_start: bool, use_mu: 
     inputs, zs, deltas = _key_side(spec, theta_s, k, v, first_layer if q_first is not None else None)
     # "normalized": token j's step on layer i is over 1 + ‖x_ij‖² (its gradient and its DGD term);
     # "overlap": over 1 + Σ_{r ≤ j} |x_ij·x_ir| (the mini-batch's tokens up to j, all in this chunk).
+    gains = _gains(spec, _squared_norms(deltas))  # "gain": each token's downstream gain per layer
     if spec.overlap:
         tril = jnp.tril(jnp.ones((c, c), dt))
-        scales = [_overlap_scale(mm(x, _swap(x)), tril) for x in inputs]
+        scales = [_overlap_scale(mm(x, _swap(x)), tril, g) for x, g in zip(inputs, gains)]
     else:
-        scales = [_input_scale(x) for x in inputs] if spec.normalized else [None] * nl
+        scales = [_input_scale(x, g) for x, g in zip(inputs, gains)] if spec.normalized else [None] * nl
     if spec.normalized:
         deltas = [d * s_[..., None] for d, s_ in zip(deltas, scales)]
 
@@ -656,7 +692,7 @@ def _online(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, *, want_
         inputs, _, deltas = _key_side(spec, theta, k_t, v_t)
         # Outer products as dots (their backward is then a matvec, not a slow small reduction).
         if spec.normalized:  # scale the errors (vectors) rather than the gradients (matrices)
-            scales = [_input_scale(x_) for x_ in inputs]
+            scales = [_input_scale(x_, g_) for x_, g_ in zip(inputs, _gains(spec, _squared_norms(deltas)))]
             deltas = [d_ * s_[..., None] for d_, s_ in zip(deltas, scales)]
         grads = tuple(jnp.einsum("bhi,bho->bhio", x_, d_, precision=spec.precision) for x_, d_ in zip(inputs, deltas))
         if spec.normalized and spec.opt.precondition:  # what the DGD preconditioner sees

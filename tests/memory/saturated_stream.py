@@ -47,10 +47,13 @@ def stream_inputs(seed: int = 0, t_len: int = 16384, d: int = D):
     return k, k, v
 
 
-def titans_weights(depth: int, seed: int = 0, d: int = D):
+def titans_weights(depth: int, seed: int = 0, d: int = D, out_scale: float = 1.0):
+    """Each layer ~ N(0, 1/fan-in) (the layer's init), the last at `out_scale` x that (a large output layer, as
+    the outer loop can learn, multiplies the curvature of the layers before it by ~out_scale²)."""
     rng = np.random.default_rng(seed + 100)
     dims = [d] + [HIDDEN] * (depth - 1) + [d]
-    return tuple((rng.normal(size=(1, a, b)) / np.sqrt(a)).astype(np.float32) for a, b in zip(dims[:-1], dims[1:]))
+    return tuple(((out_scale if i == depth - 1 else 1.0) * rng.normal(size=(1, a, b)) / np.sqrt(a)).astype(np.float32)
+                 for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])))
 
 
 @functools.cache
@@ -75,13 +78,13 @@ def _titans_runner(depth: int, minibatch: int, inner_step: str, t_len: int):
 
 
 def titans_norms(depth: int, minibatch: int, inner_step: str, max_lr: float, *, t_len: int = 16384,
-                 seed: int = 0, momentum: float = MOMENTUM_MAX):
+                 seed: int = 0, momentum: float = MOMENTUM_MAX, out_scale: float = 1.0):
     """Frobenius norm of each layer's fast weights after each of `PIECES` pieces, `[PIECES, depth]`
     (non-finite once they overflow), streaming with lr = max_lr and μ = `momentum` at every token."""
     q, k, v = stream_inputs(seed, t_len)
     gate = np.ones((1, t_len, 1), np.float32)
     run = _titans_runner(depth, minibatch, inner_step, t_len)
-    return np.asarray(run(q, k, v, max_lr * gate, momentum * gate, titans_weights(depth, seed)))
+    return np.asarray(run(q, k, v, max_lr * gate, momentum * gate, titans_weights(depth, seed, out_scale=out_scale)))
 
 
 SATURATED_BIAS = 10.0  # lr and retain biases: sigmoid(10) ~ 1, so lr_t ~ lr_max and retain_t ~ 1 (no forgetting)

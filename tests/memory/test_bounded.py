@@ -39,6 +39,18 @@ def test_titans_default_stays_bounded(depth, minibatch):
     assert np.all(norms <= BOUND * init), f"{cfg.inner_step}: max norm per layer {norms.max(0)}, init {init}"
 
 
+@pytest.mark.parametrize("minibatch", [1, 16])
+def test_titans_default_stays_bounded_under_a_large_output_layer(minibatch):
+    """Depth 2 with the output layer at 16x its init (its curvature multiplies the first layer's by ~256; the
+    outer loop can learn such weights): without the gain in the divisor ("ema+overlap") the first layer reaches
+    22x / 31x its initial norm (b = 1 / 16), with the default it stays below its start."""
+    cfg = neural_memory_config(depth=2, minibatch=minibatch)
+    norms = titans_norms(2, minibatch, cfg.inner_step, cfg.max_lr, out_scale=16.0)
+    init = np.array([np.linalg.norm(w) for w in titans_weights(2, out_scale=16.0)])
+    assert np.all(np.isfinite(norms)) and np.all(norms <= BOUND * init), (
+        f"{cfg.inner_step}: max norm per layer {norms.max(0)}, init {init}")
+
+
 def test_self_referential_default_stays_bounded():
     """The self-referential op with the language-model default, lr_t ~ lr_max and retain_t ~ 1, from initial
     weights whose output layers are at 3x the layer's init (the issue's failing case)."""
