@@ -221,11 +221,13 @@ def _overlap_scale(dots, mask, gain=None):
 
 def _gains(spec: _Spec, delta_norms):
     """Per layer, each token's downstream gain ‖δ_i‖² / ‖δ_L‖² from the squared error norms `delta_norms`
-    (a list over layers of `[...]`), None for the last layer (gain 1) and for every layer without "gain"."""
+    (a list over layers of `[...]`), None for the last layer (gain 1) and for every layer without "gain".
+    A step size to the outer loop (no gradient through it): differentiating it cost ~25% more backward time
+    (depth 2, b = 16, T = 4096)."""
     if "gain" not in spec.step:
         return [None] * len(delta_norms)
-    last = delta_norms[-1]
-    return [_ratio(d, last) for d in delta_norms[:-1]] + [None]
+    last = jax.lax.stop_gradient(delta_norms[-1])
+    return [_ratio(jax.lax.stop_gradient(d), last) for d in delta_norms[:-1]] + [None]
 
 
 def _ratio(a, b):
