@@ -240,14 +240,9 @@ def _squared_norms(deltas):
     return [jnp.sum(jnp.square(d), axis=-1) for d in deltas]
 
 
-def _normalize_step(spec: _Spec, grads, inputs, scales=None):
-    """Each layer's gradient times its step scale (default, with "normalized": 1 / (1 + ‖x‖²) of its input x;
-    the "overlap" step passes its own), and the inputs the DGD preconditioner sees times its square root (so
-    its term η xᵀx W is divided alike)."""
-    if scales is None:
-        if not spec.normalized:
-            return grads, inputs
-        scales = [_input_scale(x) for x in inputs]
+def _scale_step(grads, inputs, scales):
+    """Each layer's gradient times its step scale (the "normalized" or "overlap" divisor's inverse), and the
+    inputs the DGD preconditioner sees times its square root (so its term η xᵀx W is divided alike)."""
     grads = tuple(g * s[..., None, None] for g, s in zip(grads, scales))
     inputs = [x * jnp.sqrt(s)[..., None] for x, s in zip(inputs, scales)]
     return grads, inputs
@@ -395,9 +390,9 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         mask = (jnp.arange(spec.minibatch) <= state.pos).astype(k.dtype)
         scales = [_overlap_scale(jnp.einsum("...d,...jd->...j", x, e, precision=spec.precision), mask, g)
                   for x, e, g in zip(inputs, earlier, gains)]
-        grads, inputs = _normalize_step(spec, grads, inputs, scales)
+        grads, inputs = _scale_step(grads, inputs, scales)
     elif spec.normalized:
-        grads, inputs = _normalize_step(spec, grads, inputs, [_input_scale(x, g) for x, g in zip(inputs, gains)])
+        grads, inputs = _scale_step(grads, inputs, [_input_scale(x, g) for x, g in zip(inputs, gains)])
     theta, U = spec.opt.step(state.theta, state.U, grads, inputs, _gate4(eta), _gate4(mu), _gate4(a))
     o = _mlp(spec, theta, q)[0]
     new = NeuralMemoryState(theta, U, theta_s, (state.pos + 1) % spec.minibatch, keys)
