@@ -34,9 +34,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # A linear memory: 11x cheaper on CPU than the default depth 2 (the family's default step and max_lr).
     "titans_lmm": {"memory.depth": 1},
     "titans_mac": {"memory.depth": 1, "memory.decay_init": 1e-3},  # forgets less at first
-    # Strong, bounded writes and a read without its skip (results/history.md, self-referential Titans).
+    # Strong writes and a read without its skip, which recall needs (results/history.md, self-referential Titans).
     "self_ref_titans": {"memory.lr_max": 1.0, "memory.lr_init": 0.9, "memory.retain_init": 0.999,
-                        "memory.targets": "initial", "memory.dgd_output": True, "memory.inner_step": "normalized",
                         "memory.read_residual": False},
     "hope": {"hope.mixer": "attention"},  # Hope-Attention: the row measures what the CMS adds to attention
 }

@@ -39,9 +39,9 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     # swamps what the memory recalls; benchmarks/configs/mqar.py)
     c.read_residual = True
     c.dgd = True  # delta-gradient descent on the memories' input layers (False: plain GD with retention)
-    c.dgd_output = False  # DGD on the output layers too (key h); bounds a chunk's summed output steps
+    c.dgd_output = True  # DGD on the output layers too (key h); bounds a chunk's summed output steps
     c.self_targets = True  # targets v̂ = M(v) per memory (False: the "static values" ablation)
-    c.targets = "chunk"  # v̂ from each memory's chunk-start state; "initial": from its initial weights (stable)
+    c.targets = "initial"  # v̂ from the initial weights (a write cannot move its own target); "chunk": HOPE.md's
     c.retain_to = "zero"  # what retention pulls toward; "initial": the meta-learned initial weights, not zero
     c.inner_step = "normalized"  # bounded input and output steps; "plain": docs/self_referential.md's, which overflow
     c.adaptive_q = False  # generate the queries with a sixth memory instead of the static projection

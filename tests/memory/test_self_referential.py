@@ -300,11 +300,12 @@ def assert_grads_close(got, want, tol=TOL):
 
 GRAD_T = 11  # divides no chunk size used here
 GRAD_CFGS = [
-    dict(cm=2, co=4, os="normalized"),  # the default: memory chunks inside the generators' chunks, normalised steps
+    # the default: memory chunks inside the generators' chunks, initial targets, normalised steps, DGD on both layers
+    dict(cm=2, co=4, tg="initial", os="normalized", dgo=True),
     dict(cm=4, co=2, read="before_write", dgd=False, st=False),
     dict(cm=2, co=4, dgo=True),  # DGD on the output layers too
     dict(cm=4, co=4, read="chunk_start", aq=True),
-    dict(cm=2, co=4, tg="initial", os="normalized", dgo=True),  # the MQAR preset's options
+    dict(cm=2, co=4, os="normalized"),  # HOPE.md's chunk targets with the normalised steps
     dict(cm=2, co=4, rt="initial", os="normalized", dgo=True),  # retention toward the initial weights
 ]
 # The default suite checks one configuration; the others and the full sweep are slow.
