@@ -101,7 +101,7 @@ def test_table_and_note():
     assert script.time_limit(presets, "deltanet") == presets.TIME_LIMIT_S
     assert script.time_limit(presets, "self_ref_titans") == presets.FAMILY_TIME_LIMIT_S["self_ref_titans"] > 600
     assert script.time_limit(presets, "self_ref_titans", 60.0) == 60.0  # --time-limit wins
-    assert "wall-time limits: titans_mac 40 minutes; self_ref_titans 30 minutes." in text
+    assert "wall-time limits: titans_mac 40 minutes; self_ref_titans 30 minutes; hope 60 minutes." in text
     fp = script.preset_fingerprint(presets, "deltanet", [])
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
     assert fp != script.preset_fingerprint(presets, "titans_lmm", [])
