@@ -378,9 +378,10 @@ def _token_step(spec: _Spec, state: NeuralMemoryState, q, k, v, eta, mu, a, want
         return jnp.sum(spec.objective(pred, v)), inputs
 
     grads, inputs = jax.grad(inner_loss, has_aux=True)(theta_s)
-    # One token's gradient is x_iᵀ δ_i, so ‖δ_i‖² = ‖g_i‖² / ‖x_i‖² (the gains' error norms).
-    gains = _gains(spec, [_ratio(jnp.sum(jnp.square(g), axis=(-2, -1)), jnp.sum(jnp.square(x), axis=-1))
-                          for g, x in zip(grads, inputs)])
+    gains = [None] * len(grads)
+    if "gain" in spec.step:  # one token's gradient is x_iᵀ δ_i, so ‖δ_i‖² = ‖g_i‖² / ‖x_i‖² (the errors' norms)
+        gains = _gains(spec, [_ratio(jnp.sum(jnp.square(g), axis=(-2, -1)), jnp.sum(jnp.square(x), axis=-1))
+                              for g, x in zip(grads, inputs)])
     keys = state.keys
     if spec.overlap:  # this token's key joins the mini-batch's; each layer's divisor counts them up to it
         keys = _keys_buffer(state, k, spec.minibatch)
