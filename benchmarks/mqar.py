@@ -144,6 +144,14 @@ def table(rows: list[dict], steps: int) -> str:
     return "\n".join(out)
 
 
+def run_limits(presets, family: str, runs: list[dict]) -> str:
+    """A merged row's note on runs that trained under another wall-time limit than the preset's (`--time-limit`)."""
+    own = sorted({r["time_limit_s"] for r in runs if r.get("time_limit_s")} - {time_limit(presets, family, None)})
+    if not own:
+        return ""
+    return f" Its runs' wall-time limit (`--time-limit`): {', '.join(f'{x / 60:g} minutes' for x in own)}."
+
+
 def merge_rows(text: str, body: str, stamp: str) -> str:
     """`text` (a results file) with the rows of table `body` put in its table, each replacing the row of
     the same family or appended, and `stamp` ("<family>: ...") under the table, replacing an older stamp of
@@ -255,7 +263,7 @@ def main():
     limit = args.time_limit or presets.TIME_LIMIT_S  # the table's note; families with their own cap say so
     families = args.families.split(",")
     seeds = [int(x) for x in args.seeds.split(",")]
-    rows, reused = [], []
+    rows, reused, runs_of = [], [], {}
     for family in families:
         runs = []
         for seed in seeds:
@@ -272,13 +280,15 @@ def main():
             else:
                 subprocess.run(["rm", "-rf", workdir])
                 seconds = time_limit(presets, family, args.time_limit)
-                row = {**run_family(family, workdir, extra, seconds), "preset": fingerprint, "seed": seed}
+                row = {**run_family(family, workdir, extra, seconds), "preset": fingerprint, "seed": seed,
+                       "time_limit_s": seconds}
                 os.makedirs(workdir, exist_ok=True)
                 with open(row_path, "w") as f:
                     json.dump(row, f)
             runs.append(row)
             print(json.dumps(row), flush=True)
         rows.append(seed_row(family, runs))
+        runs_of[family] = runs
     body = table(rows, presets.BUDGET["steps"])
     print(body)
     if args.merge and not args.print_only and not args.overrides:
@@ -291,7 +301,7 @@ def main():
                 "training", presets.FAMILY_TRAINING, [family]) + own_limits(presets, [family])
             seeds_flag = f" --seeds={args.seeds}" if args.seeds != "0,1,2" else ""
             stamp = (f"{family}: `python benchmarks/mqar.py --families={family}{seeds_flag} --merge` on {machine()}, "
-                     f"{date}, load average {load} at the end.{settings}")
+                     f"{date}, load average {load} at the end.{settings}{run_limits(presets, family, runs_of[family])}")
             text = merge_rows(text, "\n".join(body.split("\n")[:2] + [row]), stamp)
         with open(path, "w") as f:
             f.write(text)

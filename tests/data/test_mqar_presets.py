@@ -101,6 +101,10 @@ def test_table_and_note():
     assert script.time_limit(presets, "deltanet") == presets.TIME_LIMIT_S
     assert script.time_limit(presets, "self_ref_titans") == presets.FAMILY_TIME_LIMIT_S["self_ref_titans"] > 600
     assert script.time_limit(presets, "self_ref_titans", 60.0) == 60.0  # --time-limit wins
+    # a merged row says when its runs trained under another limit than the preset's
+    assert script.run_limits(presets, "deltanet", [{"time_limit_s": 600.0}, {}]) == ""
+    assert script.run_limits(presets, "deltanet", [{"time_limit_s": 1800.0}, {"time_limit_s": 600.0}]) == (
+        " Its runs' wall-time limit (`--time-limit`): 30 minutes.")
     assert "wall-time limits: titans_mac 40 minutes; self_ref_titans 30 minutes; hope 60 minutes." in text
     fp = script.preset_fingerprint(presets, "deltanet", [])
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
