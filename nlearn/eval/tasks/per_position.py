@@ -8,6 +8,7 @@ confidence band over documents (normal approximation on the per-document bucket 
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import jax
@@ -69,7 +70,10 @@ def make_probe_step(graphdef, dtype=jnp.float32, inner: bool = True):
             fn = getattr(block.mixer, "inner_losses", None)
             found.append(None if fn is None else fn(block.mixer_norm(x_BTD), layer_cache))
 
-        logits_BTV, cache = model.decode(tokens_BT, cache, probe=probe if inner else None)
+        if inner and "probe" in inspect.signature(model.decode).parameters:
+            logits_BTV, cache = model.decode(tokens_BT, cache, probe=probe)
+        else:  # no probe (Hope's decode scans the CMS token by token; its mixer has no inner loss either)
+            logits_BTV, cache = model.decode(tokens_BT, cache)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
         per_layer = {i: (pair[0].mean(-1), pair[1].mean(-1)) for i, pair in enumerate(found) if pair is not None}
         return losses, per_layer, cache
