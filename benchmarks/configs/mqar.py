@@ -38,7 +38,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "self_ref_titans": {"memory.lr_max": 1.0, "memory.lr_init": 0.9, "memory.retain_init": 0.999,
                         "memory.read_residual": False},
 }
-FAMILY_OVERRIDES["hope"] = FAMILY_OVERRIDES["self_ref_titans"]  # its own (self-referential) mixer, the same recall
+FAMILY_OVERRIDES["hope"] = dict(FAMILY_OVERRIDES["self_ref_titans"])  # its own (self-referential) mixer, the same recall
 FAMILY_TRAINING: dict[str, dict] = {
     # A two-segment stage trains the memory (the 64-token stage is one segment); WSD ends decayed within its cap.
     "titans_mac": {"data.mqar.curriculum": "64x4:150,128x8:300", "train.steps": 1600,
