@@ -47,7 +47,12 @@ def test_family_step_traces_in_bfloat16(family):
     assert types(after) == types(setup.abstract_state) and metrics["loss"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Every family traces in bf16 above; one of each kind of memory also runs a step here (the rest under `make test-all`).
+BF16_STEP_FAMILIES = ("deltanet", "titans_mac", "self_ref_titans", "hope")
+
+
+@pytest.mark.parametrize("family", [f if f in BF16_STEP_FAMILIES else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_family_trains_a_step_in_bfloat16(family):
     setup, step = bf16_step(family)
     step = jax.jit(step)

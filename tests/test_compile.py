@@ -36,7 +36,7 @@ def test_scanned_matmuls_count_every_iteration():
     assert lowered.compile().cost_analysis()["flops"] < 2 * 2 * 64**3
 
 
-@pytest.mark.parametrize("family", ["transformer", "titans_lmm"])
+@pytest.mark.parametrize("family", [pytest.param("transformer", marks=pytest.mark.slow), "titans_lmm"])
 def test_tiny_compiles_for_v5e_with_fsdp(family):
     config = tiny(family, dtype="bfloat16", remat=True)
     with config.unlocked():

@@ -105,7 +105,7 @@ def test_two_pass_step_equals_the_sequential_reference(model, tokens):
         assert not np.array_equal(fast[i], fast[i - 1]), i
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])  # scanned: `make test-all`
 def test_parallel_pass_from_factors_equals_fixed_deltas(tokens, scan):
     """The training forward (pass 1's per-token factors, each period's Δ rebuilt inside the layer) equals the
     parallel pass with the per-chunk Δ of `adapt` held fixed, with scan steps of 1 and 2 chunks and levels
@@ -211,7 +211,7 @@ def test_decoding_with_updates_equals_the_full_forward(model, tokens):
     assert int(cache["pos"]) == 19
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])  # scanned: `make test-all`
 def test_learned_rates_start_as_the_fixed_ones_and_learn_through_the_rebuild(tokens, scan):
     """`cms.learn_lr=True`: at initialisation the forward is the fixed rates' forward; with each layer's rates
     moved apart, decoding equals the full forward, and the outer gradient w.r.t. `log_lr` is the derivative of

@@ -171,7 +171,8 @@ def test_delta_rule_hard_gate_can_skip_a_token_exactly():
         config_lib.validate(config)
 
 
-@pytest.mark.parametrize("family", ["deltanet", "gated_deltanet", "titans_lmm", "ttt_linear", "ttt_mlp"])
+@pytest.mark.parametrize("family", ["deltanet", "gated_deltanet", "titans_lmm", "ttt_linear",
+                                    pytest.param("ttt_mlp", marks=pytest.mark.slow)])  # ttt_mlp: ttt_linear's gates
 def test_gate_conv_gives_the_gates_the_last_tokens(family):
     """memory.gate_conv=True: the gates read `sum_i w_i x_{t-K+1+i}` (checked against the same mixer without
     it fed that sum written out), so changing token j changes the gates at j..j+K-1 and no others (without it,

@@ -243,9 +243,10 @@ def test_mqar_row_is_the_median_over_seeds_with_each_seed_shown():
 
 def test_step_cost_compiles_a_row_with_its_overrides_and_refuses_an_unknown_key():
     step_cost = load_script("step_cost")
-    step, state, data = step_cost.compiled_step("deltanet:model.memory.gate_conv=True", 2, 16)
+    step, state, data = step_cost.compiled_step("transformer:model.num_layers=1", 2, 16)
     assert int(state["step"]) == 1 and data["inputs"].shape == (2, 16)
+    assert len(state["params"]["blocks"]) == 1
     state, _ = step(state, data)
     assert int(state["step"]) == 2
-    with pytest.raises(ValueError, match="model.memory.gate_cnv"):
-        step_cost.compiled_step("deltanet:model.memory.gate_cnv=True", 2, 16)
+    with pytest.raises(ValueError, match="model.num_layerz"):
+        step_cost.compiled_step("transformer:model.num_layerz=1", 2, 16)

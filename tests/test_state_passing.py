@@ -32,6 +32,12 @@ def small_config(family="deltanet", probability=0.5):
     return config
 
 
+def decoded_state(graphdef, params, x_BT, cache_len):
+    """The model's state after decoding `x_BT` from a fresh cache (made for windows of `cache_len`)."""
+    model = nnx.merge(graphdef, params)
+    return model.decode(x_BT, model.init_cache(x_BT.shape[0], cache_len))[1]
+
+
 def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
     """The step's loss is the mean over rows of: the last window's losses of a plain forward over
     prefix + window (kept rows: their carry was made by decoding the prefix), or of the window alone
@@ -42,9 +48,9 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
     rng = np.random.default_rng(0)
     prefix = jnp.asarray(rng.integers(0, 61, (4, 13)), jnp.int32)  # divides no chunk, like the window
     window = jnp.asarray(rng.integers(0, 61, (4, 12)), jnp.int32)
-    model = nnx.merge(setup.graphdef, state["params"])
-    _, carry = model.decode(prefix, model.init_cache(4, 11))
-    state["carry"] = carry
+    final_state = jax.jit(lambda params, x, cache_len=11: decoded_state(setup.graphdef, params, x, cache_len),
+                          static_argnums=2)  # jitted: a few compiles instead of ~300 eager ones
+    state["carry"] = final_state(state["params"], prefix)
     keep = np.asarray(sp.keep_rows(state["rng"], state["step"], 4, 0.5))
     assert 0 < keep.sum() < 4  # this seed's first draw mixes both kinds of row
 
@@ -53,15 +59,16 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
     new_state, metrics = step(state, batch)
 
     params = state["params"]
-    whole = token_losses(setup.graphdef, params, jnp.concatenate([prefix, window[:, :-1]], 1),
-                         jnp.concatenate([prefix[:, 1:], window[:, :1], window[:, 1:]], 1), jnp.float32)[:, 13:]
-    alone = token_losses(setup.graphdef, params, window[:, :-1], window[:, 1:], jnp.float32)
+    losses = jax.jit(lambda x, y: token_losses(setup.graphdef, params, x, y, jnp.float32))
+    whole = losses(jnp.concatenate([prefix, window[:, :-1]], 1),
+                   jnp.concatenate([prefix[:, 1:], window[:, :1], window[:, 1:]], 1))[:, 13:]
+    alone = losses(window[:, :-1], window[:, 1:])
     expected = np.where(keep[:, None], np.asarray(whole), np.asarray(alone)).mean()
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
     assert float(metrics["passed_rows"]) == keep.mean()
 
-    _, after_prefix = model.decode(jnp.concatenate([prefix, window[:, :-1]], 1), model.init_cache(4, 11))
-    _, after_window = model.decode(window[:, :-1], model.init_cache(4, 11))
+    after_prefix = final_state(params, jnp.concatenate([prefix, window[:, :-1]], 1))
+    after_window = final_state(params, window[:, :-1])
     for got, long, short in zip(jax.tree.leaves(new_state["carry"]), jax.tree.leaves(after_prefix),
                                 jax.tree.leaves(after_window)):
         want = np.where(keep.reshape((4,) + (1,) * (long.ndim - 1)), long, short)
@@ -72,8 +79,7 @@ def test_a_kept_row_continues_its_state_and_a_fresh_row_starts_over():
     wide = jnp.asarray(rng.integers(0, 61, (8, 6)), jnp.int32)
     after, wide_metrics = step(new_state, {"inputs": wide[:, :-1], "targets": wide[:, 1:]})
     assert np.isfinite(float(wide_metrics["loss"]))
-    stepped = nnx.merge(setup.graphdef, new_state["params"])
-    _, fresh_wide = stepped.decode(wide[:, :-1], stepped.init_cache(8, 5))
+    fresh_wide = final_state(new_state["params"], wide[:, :-1], 5)
     keep = np.asarray(sp.keep_rows(new_state["rng"], new_state["step"], 8, 0.5))
     for got, fresh in zip(jax.tree.leaves(after["carry"]), jax.tree.leaves(fresh_wide)):
         assert got.shape[0] == 4
@@ -157,7 +163,9 @@ def test_which_families_can_pass_states(family, model, passes):
         config.model.memory.minibatch = 4
     model = models.build(config)
     fresh = model.init_cache(2, 64)
-    _, final = model.decode(jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 64)), jnp.int32), fresh)
+    graphdef, params = nnx.split(model)
+    final = jax.jit(lambda p, x: decoded_state(graphdef, p, x, 64))(  # jitted: one compile, not one per op
+        params, jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 64)), jnp.int32))
     assert bool(sp.shared_leaves_agree(model.rebase_cache(final), fresh, sp.batch_axes(config))) == passes
 
 

@@ -63,7 +63,7 @@ def test_grad_accumulation_matches_full_batch():
         losses = token_losses(setup.graphdef, p, batch["inputs"], batch["targets"], jnp.float32)
         return jnp.sum(losses * weights) / weights.sum()
 
-    want_loss, want = jax.value_and_grad(mean_loss)(params)
+    want_loss, want = jax.jit(jax.value_and_grad(mean_loss))(params)  # jitted: one compile, not one per op
     # An optax transformation that keeps the gradient it is given as its state (and moves nothing).
     keep = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
                                         lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))

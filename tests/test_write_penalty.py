@@ -41,7 +41,7 @@ def gate_logits_by_layer(model, tokens_BT):
     return logits
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+@pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "remat"])
 def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
     """hard_sigmoid: relu(z + 4) / 6 per token and head (unclipped above, a unit past the gate's closing edge);
     rematerialised blocks report it too."""
@@ -57,7 +57,8 @@ def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
     np.testing.assert_allclose(float(cost), sum(np.mean(np.maximum(zl + 4.0, 0.0) / 6.0) for zl in z), rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["titans_lmm", "titans_mac", "titans_mag", "titans_mal", "ttt_linear", "ttt_mlp"])
+@pytest.mark.parametrize("family", ["titans_mac", "ttt_linear"] + [  # MAC's segment scan; TTT's own layer
+    pytest.param(f, marks=pytest.mark.slow) for f in ("titans_lmm", "titans_mag", "titans_mal", "ttt_mlp")])
 def test_every_gated_memory_charges_its_learning_rate_gate(family):
     """With every lr gate constant (kernel 0, bias b) each layer charges relu(b + 4) / 6, Titans MAC (whose memory
     runs inside its segment scan) included; a gate below -4 charges nothing."""
@@ -92,7 +93,7 @@ def run_steps(config, n, seed=0):
     return setup, state, history
 
 
-@pytest.mark.parametrize("passing", [False, True], ids=["plain", "state_passing"])
+@pytest.mark.parametrize("passing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "state_passing"])
 def test_the_cost_is_charged_from_its_first_step_and_the_loss_metric_stays_the_cross_entropy(passing):
     extra = dict(state_passing=0.5) if passing else {}
     _, plain, plain_history = run_steps(small_config(**extra), 3)
