@@ -183,6 +183,7 @@ class HopeModel(LanguageModel):
     carry a leading layers axis (`[L, B, ...]`), and every path runs the blocks by one scan."""
 
     block = HopeBlock
+    decode_probes = False  # its decode scans the CMS token by token and takes no probe
 
     def __init__(self, cfg, make_mixer, *, rngs: nnx.Rngs):
         super().__init__(cfg, make_mixer, rngs=rngs)

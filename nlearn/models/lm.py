@@ -142,6 +142,7 @@ class LanguageModel(nnx.Module):
     A subclass may set `block` to another `(cfg, mixer, rngs=)` block class."""
 
     block = Block
+    decode_probes = True  # `decode(..., probe=)` shows a probe every block's input
 
     def __init__(self, cfg, make_mixer: MixerFactory, *, rngs: nnx.Rngs):
         self.remat = cfg.remat

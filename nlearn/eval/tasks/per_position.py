@@ -8,7 +8,6 @@ confidence band over documents (normal approximation on the per-document bucket 
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import jax
@@ -70,7 +69,7 @@ def make_probe_step(graphdef, dtype=jnp.float32, inner: bool = True):
             fn = getattr(block.mixer, "inner_losses", None)
             found.append(None if fn is None else fn(block.mixer_norm(x_BTD), layer_cache))
 
-        if inner and "probe" in inspect.signature(model.decode).parameters:
+        if inner and model.decode_probes:
             logits_BTV, cache = model.decode(tokens_BT, cache, probe=probe)
         else:  # no probe (Hope's decode scans the CMS token by token; its mixer has no inner loss either)
             logits_BTV, cache = model.decode(tokens_BT, cache)
