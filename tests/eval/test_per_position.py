@@ -62,7 +62,7 @@ def mid_stream(mixer):
 def test_neural_memory_probe_equals_the_ops_inner_loss():
     mixer = perturbed(NeuralMemoryMixer(small("titans_lmm", minibatch=2, max_lr=1.0), rngs=nnx.Rngs(0)))
     x, cache, (before, after) = mid_stream(mixer)
-    q, k, v, (lr, mom, dec), _ = mixer.project(x, cache)
+    q, k, v, (lr, mom, dec), _, _ = mixer.project(x, cache)
     _, _, (want_before, want_after) = neural_memory(
         q, k, v, lr=lr, momentum=mom, decay=dec, initial_state=cache["state"], impl="recurrent",
         return_inner_loss=True, **mixer.options)
@@ -77,7 +77,7 @@ def test_delta_probe_equals_a_token_by_token_loop():
         cfg.memory.chunk_size = 4
     mixer = perturbed(DeltaNetMixer(cfg, gated=True, rngs=nnx.Rngs(0)))
     x, cache, (before, after) = mid_stream(mixer)
-    q, k, v, (beta, log_a), _ = mixer.project(x, cache)
+    q, k, v, (beta, log_a), _, _ = mixer.project(x, cache)
     s, want_b, want_a = cache["state"], [], []
     for t in range(T):
         want_b.append(l2(jnp.einsum("bhk,bhkv->bhv", k[:, t], s), v[:, t]))
@@ -92,7 +92,7 @@ def test_delta_probe_equals_a_token_by_token_loop():
 def test_ttt_linear_probe_equals_a_token_by_token_loop():
     mixer = perturbed(TTTLinearMixer(small("ttt_linear", minibatch=2, base_lr=10.0), rngs=nnx.Rngs(0)))
     x, cache, (before, after) = mid_stream(mixer)
-    q, k, v, (eta,), _ = mixer.project(x, cache)
+    q, k, v, (eta,), _, _ = mixer.project(x, cache)
     scale, bias = mixer.ln_scale[...], mixer.ln_bias[...]
 
     def loss(state, t):  # 1/2 |k + LN(k W + b) - v|^2 at the state's current weights

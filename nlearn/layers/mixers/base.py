@@ -107,8 +107,8 @@ class MemoryMixer(nnx.Module):
         return {"convs": convs, "state": self.initial_state(batch)}
 
     def project(self, x_BTD, cache=None, with_cost: bool = False):
-        """What the op reads and writes: `(q, k, v [B, T, H, D], gates, conv caches)`, and the write cost
-        (None unless recorded) after them `with_cost`; while `record_writes` it is sown otherwise."""
+        """What the op reads and writes: `(q, k, v [B, T, H, D], gates, conv caches, write cost)`; the cost is
+        None unless `record_writes`, then returned `with_cost` and sown otherwise."""
         b, t, _ = x_BTD.shape
         qkv, conv_caches = [], []
         for i, proj in enumerate((self.q, self.k, self.v)):
@@ -123,19 +123,18 @@ class MemoryMixer(nnx.Module):
             conv_caches.append(c)
         out = (*self.featurize(*qkv), self.gates(gate_in), conv_caches)
         if not (self.record_writes and self.write_gate_kind is not None):
-            return out + (None,) if with_cost else out
+            return out + (None,)
         if with_cost:
             return out + (self.write_cost(gate_in),)
         self.sow(nnx.Intermediate, "sown_write_cost", self.write_cost(gate_in))
-        return out
+        return out + (None,)
 
     def heads(self, x_BTD, cache=None):
         """The memory's read per head, RMS-normalised, `[B, T, H, D]`, and the new cache (with the write
         cost under "write_cost" where the caller reports it: `defer_writes`)."""
         if cache is None and sp.context_axis_size() > 1:
             return self.out_norm(self._heads_over_sequence(x_BTD)), None
-        q, k, v, gates, conv_caches, cost = self.project(x_BTD, cache, with_cost=True) if self.defer_writes else (
-            *self.project(x_BTD, cache), None)
+        q, k, v, gates, conv_caches, cost = self.project(x_BTD, cache, with_cost=self.defer_writes)
         state = None if cache is None else cache["state"]
         o, state = self.memory(q, k, v, gates, state)
         new = None if cache is None else {"convs": conv_caches, "state": state}
@@ -183,7 +182,7 @@ class MemoryMixer(nnx.Module):
         objective = self.inner_objective()
         if objective is None:
             return None
-        q, k, v, gates, _ = self.project(x_BTD, cache)
+        q, k, v, gates, _, _ = self.project(x_BTD, cache)
         state = cache["state"]
         after = self.memory(k, k, v, gates, state)[0]
         ahead = self.memory(jnp.concatenate([k[:, 1:], k[:, -1:]], 1), k, v, gates, state)[0]
