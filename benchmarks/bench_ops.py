@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from results_md import write_results  # noqa: E402  (first: it configures the process for jax)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -53,7 +54,6 @@ from nlearn.memory import (  # noqa: E402
 )
 from nlearn.train.flops import measure_matmul_gflops  # noqa: E402
 from nlearn.memory.neural_memory import neural_memory  # noqa: E402
-from results_md import write_results  # noqa: E402
 
 
 @dataclass

@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from results_md import write_results  # noqa: E402  (first: it configures the process for jax)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -30,7 +31,6 @@ from nlearn.config import validate  # noqa: E402
 from nlearn.train.state import _init_state, make_setup  # noqa: E402
 from nlearn.train.step import make_train_step  # noqa: E402
 from compare_lm import load_config, parse_row, split_rows  # noqa: E402
-from results_md import write_results  # noqa: E402
 
 BAR = 1.5
 

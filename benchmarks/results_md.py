@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nlearn.cli.common import configure_process  # noqa: E402
+
+configure_process()  # as the console scripts: no TPU runtime errors where libtpu is installed but no TPU attached
 RESULTS_DIR = os.path.join(ROOT, "results")
 
 

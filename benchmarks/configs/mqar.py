@@ -38,7 +38,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "self_ref_titans": {"memory.lr_max": 1.0, "memory.lr_init": 0.9, "memory.retain_init": 0.999,
                         "memory.read_residual": False},
 }
-FAMILY_OVERRIDES["hope"] = dict(FAMILY_OVERRIDES["self_ref_titans"])  # its own (self-referential) mixer, the same recall
+# Hope runs its own (self-referential) mixer, with the same recall settings.
+FAMILY_OVERRIDES["hope"] = dict(FAMILY_OVERRIDES["self_ref_titans"])
 # Titans: a 128-token stage between (MAC: two segments, the 64-token stage is one), 1600 steps, WSD decayed in its cap.
 TITANS_TRAINING = {"data.mqar.curriculum": "64x4:150,128x8:300", "train.steps": 1600, "train.schedule": "wsd",
                    "train.decay_fraction": 0.5, "train.time_budget_s": 2370.0}
@@ -51,7 +52,8 @@ FAMILY_TRAINING: dict[str, dict] = {
 }
 FAMILY_TRAINING["hope"] = {**FAMILY_TRAINING["self_ref_titans"], "train.time_budget_s": 3570.0}  # two-pass step
 # Where a preset needs more than TIME_LIMIT_S (Titans' 1600 steps: ~8 min on 2 idle cores, 20-34 on one shared).
-FAMILY_TIME_LIMIT_S: dict[str, float] = {"titans_lmm": 2400.0, "titans_mac": 2400.0, "self_ref_titans": 1800.0, "hope": 3600.0}
+FAMILY_TIME_LIMIT_S: dict[str, float] = {"titans_lmm": 2400.0, "titans_mac": 2400.0, "self_ref_titans": 1800.0,
+                                         "hope": 3600.0}
 
 
 def _set(node, key: str, value) -> None:

@@ -105,7 +105,8 @@ def test_table_and_note():
     assert script.run_limits(presets, "deltanet", [{"time_limit_s": 600.0}, {}]) == ""
     assert script.run_limits(presets, "deltanet", [{"time_limit_s": 1800.0}, {"time_limit_s": 600.0}]) == (
         " Its runs' wall-time limit (`--time-limit`): 30 minutes.")
-    assert "wall-time limits: titans_mac 40 minutes; self_ref_titans 30 minutes; hope 60 minutes." in text
+    limits = "; ".join(f"{f} {s / 60:.0f} minutes" for f, s in presets.FAMILY_TIME_LIMIT_S.items())
+    assert f"wall-time limits: {limits}." in text
     fp = script.preset_fingerprint(presets, "deltanet", [])
     assert fp == script.preset_fingerprint(presets, "deltanet", [])  # --reuse keeps this row
     assert fp != script.preset_fingerprint(presets, "titans_lmm", [])
