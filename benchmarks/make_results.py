@@ -304,7 +304,12 @@ def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
             "in brackets, reply included as RULER counts it)" + (f"; scoring: {scoring}" if scoring else "")
             + ". Heatmaps: length x needle depth, all variants."
             + (f" Rows marked{CARRIED} are kept from an earlier render whose workdirs this one did not read."
-               if carried else "") + " The runs:\n\n" + "\n".join(commands + [niah_commands(runs)]))
+               if carried else "")
+            + (" Rows without 95% intervals were scored before RULER-comparable scoring (20 prompts a length, a depth"
+               " after the last haystack unit, no reply reserve, evaluation keys from the training lists): they do"
+               " not compare with RULER's figures or with the rows that have intervals."
+               if any("[" not in row for c in carried for row in c["rows"]) else "")
+            + " The runs:\n\n" + "\n".join(commands + [niah_commands(runs)]))
     table = niah_table(runs, carried) + "\n\n" + "\n".join(images)
     return [write_results("niah.md", "Needle in a haystack", command, table, note, directory=out_dir)]
 
