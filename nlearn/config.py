@@ -181,7 +181,7 @@ def _fail(key: str, value, why: str):
 def validate(config: ml_collections.ConfigDict) -> None:
     """Refuse invalid values with one line naming the key; call before anything runs."""
     from nlearn import models  # registry of families
-    from nlearn.data import SOURCES
+    from nlearn.data.sources import describe_sources, known_source
     from nlearn.train import distributed, write_penalty
     from nlearn.train.cpu_preset import CPU_OPT_PRESETS
     from nlearn.train.optim import SCHEDULES
@@ -226,8 +226,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("model.dtype", config.model.dtype, f"valid: {', '.join(DTYPES)}")
     if config.model.head_dim == 0 and config.model.d_model % config.model.num_heads:
         _fail("model.num_heads", config.model.num_heads, f"must divide model.d_model={config.model.d_model}")
-    if config.data.source not in SOURCES:
-        _fail("data.source", config.data.source, f"valid sources: {', '.join(sorted(SOURCES))}")
+    if not known_source(config.data.source):
+        _fail("data.source", config.data.source, f"valid sources: {describe_sources()}")
     if config.logging.wandb_mode not in WANDB_MODES:
         _fail("logging.wandb_mode", config.logging.wandb_mode, f"valid: {', '.join(WANDB_MODES)}")
     for axis in ("data", "fsdp", "tensor"):

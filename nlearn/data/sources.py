@@ -56,6 +56,10 @@ class TaskSource:
         return f"TaskSource({self.entry!r})"
 
 
+# Question-answer task sources that a mixture joins: `data.source="niah+babilong"` draws each training window
+# from one of them (nlearn.tasks.haystack.mixed_qa_source).
+QA_TASK_SOURCES = ("niah", "babilong")
+
 SOURCES: dict[str, SourceBuilder] = {
     "builtin": builtin_source,
     "text": text_source,
@@ -71,9 +75,26 @@ def register_source(name: str, builder: SourceBuilder) -> None:
     SOURCES[name] = builder
 
 
+def is_mixture(name: str) -> bool:
+    """Whether `name` joins question-answer task sources with '+' (e.g. "niah+babilong")."""
+    parts = str(name).split("+")
+    return len(parts) > 1 and len(set(parts)) == len(parts) and all(p in QA_TASK_SOURCES for p in parts)
+
+
+def known_source(name: str) -> bool:
+    return name in SOURCES or is_mixture(name)
+
+
+def describe_sources() -> str:
+    """The valid data.source values, for error messages."""
+    return ", ".join(sorted(SOURCES)) + f", or a '+' mixture of {', '.join(QA_TASK_SOURCES)}"
+
+
 def get_corpus(config: ml_collections.ConfigDict) -> Corpus:
     """The corpus `config.data.source` names, built (and cached) on first use."""
     name = config.data.source
+    if is_mixture(name):
+        return TaskSource("nlearn.tasks.haystack:mixed_qa_source")(config)
     if name not in SOURCES:
-        raise UserError(f"unknown data.source {name!r}; choose one of {sorted(SOURCES)}")
+        raise UserError(f"unknown data.source {name!r}; choose one of {describe_sources()}")
     return SOURCES[name](config)

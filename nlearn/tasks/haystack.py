@@ -1,6 +1,6 @@
 """What the long-context tasks share: the text they hide facts in, the tokenizer, fitting a prompt to a
 token budget, and training corpora of generated question-answer windows (`data.source='niah'` /
-`'babilong'`).
+`'babilong'`, or a mixture such as `'niah+babilong'`, each window drawn from one of them).
 
 The haystack text comes from a base text source (`data.<task>.haystack`, default the built-in corpus):
 its training documents for training windows, its held-out documents for evaluation. The tokenizer is
@@ -10,7 +10,9 @@ the base source's, so a run trained on a synthetic task still reads and writes t
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import functools
+import importlib
 import re
 from typing import Callable, Optional, Sequence
 
@@ -24,7 +26,7 @@ from nlearn.tasks.mqar.data import example_index
 from nlearn.data.tokenizer import PAD_ID, Tokenizer
 from nlearn.errors import UserError
 
-TEXT_TASK_SOURCES = ("niah", "babilong")  # data sources whose text base gives the tokenizer
+TEXT_TASK_SOURCES = sources.QA_TASK_SOURCES  # data sources whose text base gives the tokenizer
 
 
 class PromptTooLong(UserError):
@@ -42,13 +44,15 @@ def parse_names(spec: str, choices, key: str) -> list[str]:
 
 
 def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """`config` with data.source set to the text source a synthetic task draws its haystack from."""
-    if config.data.source not in TEXT_TASK_SOURCES:
+    """`config` with data.source set to the text source a synthetic task (a mixture's first) draws its
+    haystack from."""
+    task = str(config.data.source).split("+")[0]
+    if task not in TEXT_TASK_SOURCES:
         return config
-    section = config.data.get(config.data.source)
+    section = config.data.get(task)
     base = str(section.haystack) if section is not None and "haystack" in section else "builtin"
     if base in TEXT_TASK_SOURCES:
-        raise UserError(f"data.{config.data.source}.haystack must name a text source, got {base!r}")
+        raise UserError(f"data.{task}.haystack must name a text source, got {base!r}")
     config = config.copy_and_resolve_references()
     with config.unlocked():
         config.data.source = base
@@ -208,14 +212,39 @@ def length_stages(config: ml_collections.ConfigDict, name: str) -> tuple:
     return tuple(stages)
 
 
-def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Sequence, make_example,
-              needs_words: bool, description: str) -> Corpus:
-    """The unpacked token corpus of `data.source=name`: windows of train.seq_len + 1 tokens, each
-    `make_example(rng, kind, tokenizer, length, words)` (a dict with "prompt_ids" and "answer_ids") of a kind
-    drawn from `kinds` and a length drawn from [data.<name>.min_len, seq_len + 1], then EOS and padding."""
+@dataclasses.dataclass(frozen=True)
+class QATask:
+    """A question-answer task's training examples: `make_example(rng, kind, tokenizer, length, words)` -> a dict
+    with "prompt_ids" and "answer_ids", for a kind drawn from `kinds`; `words` is haystack text when
+    `needs_words`."""
+
+    name: str  # its data.source and config.data section
+    tag: int  # seeds its examples' random streams
+    kinds: tuple
+    make_example: Callable
+    needs_words: bool
+    description: str
+
+
+def qa_task(config: ml_collections.ConfigDict, name: str) -> QATask:
+    """The QATask of task source `name` (nlearn.tasks.<name>.data.qa_task)."""
+    return importlib.import_module(f"nlearn.tasks.{name}.data").qa_task(config)
+
+
+def mixed_qa_source(config: ml_collections.ConfigDict) -> Corpus:
+    """`data.source='niah+babilong'`: each window one task's example, kinds drawn uniformly over all tasks'
+    kinds; window lengths, counts, loss and curriculum come from the first task's section."""
+    return qa_source(config, [qa_task(config, name) for name in str(config.data.source).split("+")])
+
+
+def qa_source(config: ml_collections.ConfigDict, tasks: Sequence[QATask]) -> Corpus:
+    """The unpacked token corpus of `tasks` (one, or a mixture): windows of train.seq_len + 1 tokens, each
+    `make_example(rng, kind, tokenizer, length, words)` of a kind drawn from all tasks' kinds and a length
+    drawn from [data.<name>.min_len, seq_len + 1] (name: the first task's), then EOS and padding."""
+    name = tasks[0].name
     section = config.data.get(name)
     if section is None:
-        raise UserError(f"data.source={name!r} needs a config.data.{name} section (see data_config())")
+        raise UserError(f"data.source={config.data.source!r} needs a config.data.{name} section (see data_config())")
     seq_len, min_len = int(config.train.seq_len), int(section.min_len)
     if not 0 < min_len <= seq_len:
         raise UserError(f"data.{name}.min_len={min_len} must be in [1, train.seq_len={seq_len}]")
@@ -229,20 +258,25 @@ def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Seq
         raise UserError(f"data.{name}.loss_on={loss_on!r}: choose from {', '.join(LOSS_ON)}")
     stages = length_stages(config, name)
     tokenizer = text_tokenizer(config)
+    kinds = [(task, kind) for task in tasks for kind in task.kinds]
 
     def make_for_split(split):
-        words = haystack_words(config, split) if needs_words else ()
+        words = haystack_words(config, split) if any(t.needs_words for t in tasks) else ()
 
         def make(rng):
-            kind, seed = kinds[int(rng.integers(len(kinds)))], rng.integers(2**63)
-            ex = random_length(rng, min_len, seq_len, lambda length: make_example(
+            (task, kind), seed = kinds[int(rng.integers(len(kinds)))], rng.integers(2**63)
+            ex = random_length(rng, min_len, seq_len, lambda length: task.make_example(
                 np.random.default_rng(seed), kind, tokenizer, length, words))
             return ex["prompt_ids"], ex["answer_ids"]
 
         return make
 
     seed = int(config.train.seed) % 2**64
-    key = f"{name}-" + cache.short_hash([section.to_dict(), counts, seed, seq_len, tokenizer.fingerprint])
+    tag = functools.reduce(lambda a, b: a ^ b, (t.tag for t in tasks))
+    sections = [config.data.get(t.name, ml_collections.ConfigDict()).to_dict() for t in tasks]
+    key = "-".join(t.name for t in tasks) + "-" + cache.short_hash(
+        [sections[0] if len(tasks) == 1 else sections, counts, seed, seq_len, tokenizer.fingerprint])
+    description = "; ".join(t.description for t in tasks)
     return Corpus(
         key=key,
         train=QAExamples(counts["train_examples"], 0, seed, tag, seq_len, make_for_split("train"), tokenizer.eos_id,
@@ -253,7 +287,7 @@ def qa_source(config: ml_collections.ConfigDict, name: str, tag: int, kinds: Seq
         vocab_size=tokenizer.vocab_size,
         pack=False,
         stages=stages,
-        accuracy_key=f"{name}_accuracy",
+        accuracy_key="_".join(t.name for t in tasks) + "_accuracy",
         description=f"{description}; {counts['train_examples']} train / {counts['eval_examples']} eval windows "
                     f"of {seq_len} tokens (seed {seed})",
     )

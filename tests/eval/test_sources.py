@@ -72,3 +72,22 @@ def test_length_curriculum_trains_short_windows_first(haystack_config):
     config.data.niah.curriculum = "512"
     with pytest.raises(UserError, match="cannot read stage '512'"):
         data.get_corpus(config)
+
+
+def test_a_mixture_draws_windows_from_each_task(haystack_config, tokenizer):
+    """data.source="niah+babilong": windows of both tasks, in the niah section's lengths and curriculum; the
+    single-task corpora keep their examples; an unknown or repeated part is refused naming data.source."""
+    config = haystack_config(source="niah+babilong", seq_len=1024, **{"niah.min_len": 768, "niah.curriculum": "512:1",
+                                                                     "babilong.tasks": "qa1"})
+    corpus = data.get_corpus(config)
+    prompts = [tokenizer.decode(corpus.train[i]["tokens"]) for i in range(24)]
+    kinds = {("Question:" in p, "special magic" in p) for p in prompts}
+    assert kinds == {(True, False), (False, True)}
+    assert corpus.accuracy_key == "niah_babilong_accuracy" and corpus.stages[0][1].data.source == "niah+babilong"
+    assert next(data.make_train_iterator(config))["inputs"].shape == (4, 512)
+    assert haystack.text_tokenizer(config).fingerprint == tokenizer.fingerprint
+    single = data.get_corpus(haystack_config(source="niah", seq_len=512, **{"niah.min_len": 384}))
+    assert single.key.startswith("niah-") and single.key != corpus.key
+    for bad in ("niah+niah", "niah+mqar"):
+        with pytest.raises(UserError, match="data.source"):
+            data.get_corpus(haystack_config(source=bad))

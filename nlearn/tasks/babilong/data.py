@@ -142,9 +142,14 @@ def parse_tasks(spec: str, key: str = "data.babilong.tasks") -> list[str]:
 SEED_TAG = 0x62616269  # "babi"
 
 
+def qa_task(config: ml_collections.ConfigDict) -> haystack.QATask:
+    """Stories of the tasks in data.babilong.tasks, scattered through corpus text."""
+    return haystack.QATask("babilong", SEED_TAG, tuple(parse_tasks(config.data.babilong.tasks)), babilong_example,
+                           True, f"babilong: {config.data.babilong.tasks} stories in text")
+
+
 def babilong_source(config: ml_collections.ConfigDict) -> Corpus:
     """`data.source='babilong'`: windows of train.seq_len + 1 tokens, each a story of a task from
     data.babilong.tasks in corpus text of a random length in [data.babilong.min_len, seq_len], its answer and
     EOS; the loss falls on the answer and EOS only."""
-    return haystack.qa_source(config, "babilong", SEED_TAG, parse_tasks(config.data.babilong.tasks),
-                              babilong_example, True, f"babilong: {config.data.babilong.tasks} stories in text")
+    return haystack.qa_source(config, [qa_task(config)])

@@ -253,14 +253,19 @@ def parse_variants(spec: str, key: str = "data.niah.variants") -> list[str]:
 SEED_TAG = 0x6E696168  # "niah"
 
 
-def niah_source(config: ml_collections.ConfigDict) -> Corpus:
-    """`data.source='niah'`: windows of train.seq_len + 1 tokens, each a RULER prompt of a random length in
-    [data.niah.min_len, seq_len] (variant from data.niah.variants, needle at a uniform depth), its answer and
-    EOS; the loss falls on the answer and EOS only."""
-    variants = [VARIANTS[name] for name in parse_variants(config.data.niah.variants)]
+def qa_task(config: ml_collections.ConfigDict) -> haystack.QATask:
+    """RULER prompts of the variants in data.niah.variants, the needle at a uniform depth."""
+    variants = tuple(VARIANTS[name] for name in parse_variants(config.data.niah.variants))
 
     def make(rng, v, tokenizer, length, words):
         return niah_example(rng, v, tokenizer, length, float(rng.random()), words)
 
-    return haystack.qa_source(config, "niah", SEED_TAG, variants, make, any(v.haystack == "essay" for v in variants),
-                              f"niah: RULER {config.data.niah.variants} prompts")
+    return haystack.QATask("niah", SEED_TAG, variants, make, any(v.haystack == "essay" for v in variants),
+                           f"niah: RULER {config.data.niah.variants} prompts")
+
+
+def niah_source(config: ml_collections.ConfigDict) -> Corpus:
+    """`data.source='niah'`: windows of train.seq_len + 1 tokens, each a RULER prompt of a random length in
+    [data.niah.min_len, seq_len] (variant from data.niah.variants, needle at a uniform depth), its answer and
+    EOS; the loss falls on the answer and EOS only."""
+    return haystack.qa_source(config, [qa_task(config)])
