@@ -5,10 +5,12 @@ tables and plots.
   python benchmarks/make_results.py 'runs/niah/*' runs/lm --out=results
 
 For the tasks it finds it writes niah.md (accuracy by length, and a length x depth heatmap per run,
-niah_<label>.png), per_position.md (every run's loss-by-position curve on one plot, per_position.png),
-lm_eval.md (`--task=perplexity`) and mqar_eval.md (`--task=mqar`). A run is labelled by its model family (plus
-its directory's name when several runs share a family). niah.md keeps, marked †, the rows of its previous version
-that no run of this render replaces (workdirs live in /tmp or on machines that are gone; their figures stay).
+niah_<label>.png), babilong.md (accuracy by qa task and length), per_position.md (every run's loss-by-position
+curve on one plot, per_position.png), lm_eval.md (`--task=perplexity`) and mqar_eval.md (`--task=mqar`). A run is
+labelled by its model family (plus its directory's name when several runs share a family). niah.md and
+babilong.md keep, marked †, the rows of their previous version that no run of this render replaces (workdirs live
+in /tmp or on machines that are gone; their figures stay), except rows without 95% intervals, which predate
+RULER-comparable scoring.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def multiple(length: int, seq_len) -> str:
     return f"{m:g}x"
 
 
-def niah_table(runs: list[dict], carried: list[dict] = ()) -> str:
-    """Accuracy per run and variant (rows), with its 95% interval where the record has one, at 1x, 4x, 16x and
+def niah_table(runs: list[dict], carried: list[dict] = (), task: str = "niah") -> str:
+    """Accuracy per run and variant (rows; for babilong: its qa tasks), with its 95% interval, at 1x, 4x, 16x and
     32x the run's training window (columns; other lengths scored go to the last column), after the rows
     `carried` over from the previous table (marked), then
     a "not run" row for every family without a run."""
@@ -111,7 +113,7 @@ def niah_table(runs: list[dict], carried: list[dict] = ()) -> str:
     for c in carried:
         out += [row.replace(f"| {c['label']} |", f"| {c['label']}{CARRIED} |", 1) for row in c["rows"]]
     for r in runs:
-        record = r["evals"]["niah"]
+        record = r["evals"][task]
         variants = record.get("by_variant") or {"all": record}
         for name, v in variants.items():
             by_mult, other = {}, []
@@ -202,13 +204,13 @@ def flag_value(value) -> str:
     return json.dumps(value)
 
 
-def niah_commands(runs: list[dict]) -> str:
+def niah_commands(runs: list[dict], task: str = "niah") -> str:
     """The training and scoring command of each run, as its eval record has them."""
     lines = []
     for r in runs:
-        record = r["evals"]["niah"]
+        record = r["evals"][task]
         params = record.get("parameters", {})
-        flags = [f"--workdir={r['workdir']}", "--task=niah"]
+        flags = [f"--workdir={r['workdir']}", f"--task={task}"]
         if params.get("variant"):
             flags.append(f"--variant={params['variant']}")
         if params.get("lengths"):
@@ -274,10 +276,11 @@ def earlier_niah_runs(path: str) -> list[dict]:
 
 
 def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
-    """The runs of an existing niah.md that no run of this render replaces: only a run of the same workdir
+    """The runs of an existing table that no run of this render replaces: only a run of the same workdir
     does, or one of the same directory name and family (a workdir copied elsewhere). A live run whose short
     label an earlier run of another workdir holds is relabelled with its directory's name first, so a new run
-    of a family never takes the place of that family's earlier row. Delete the file to start afresh."""
+    of a family never takes the place of that family's earlier row. Rows without 95% intervals (scored
+    before RULER-comparable scoring) are not carried. Delete the file to start afresh."""
     earlier = earlier_niah_runs(path)
     for r in live:
         workdir = os.path.normpath(r["workdir"])
@@ -285,33 +288,41 @@ def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
             r["label"] = f"{r['family']} ({os.path.basename(workdir)})"
     live_dirs = {os.path.normpath(r["workdir"]) for r in live}
     live_labels = {r["label"] for r in live}
-    return [e for e in earlier if e["workdir"] not in live_dirs and e["label"] not in live_labels]
+    return [e for e in earlier if e["workdir"] not in live_dirs and e["label"] not in live_labels
+            and all("[" in row for row in e["rows"])]
 
 
-def write_niah(runs: list[dict], out_dir: str, command: str) -> list[str]:
-    runs = [r for r in runs if "niah" in r["evals"]]
+# task: (file, title, what the heatmaps show; "" for none)
+QA_TABLES = {
+    "niah": ("niah.md", "Needle in a haystack", "length x needle depth, all variants"),
+    "babilong": ("babilong.md", "BABILong-style qa (nlearn's bAbI simulator in held-out corpus text)", ""),
+}
+
+
+def write_qa(runs: list[dict], out_dir: str, command: str, task: str) -> list[str]:
+    """The accuracy table of `task` (niah or babilong), its heatmaps and every run's commands."""
+    runs = [r for r in runs if task in r["evals"]]
     if not runs:
         return []
-    carried = carried_niah_runs(os.path.join(out_dir, "niah.md"), runs)
+    filename, title, heatmaps = QA_TABLES[task]
+    carried = carried_niah_runs(os.path.join(out_dir, filename), runs)
     images = [c["image"] for c in carried if c["image"]]
-    for r in runs:
-        name = f"niah_{file_label(r['label'])}.png"
-        niah_heatmap(r["label"], r["evals"]["niah"], os.path.join(out_dir, name))
-        images.append(f"![{r['label']}]({name})")
-    scoring = runs[0]["evals"]["niah"].get("scoring", "")
+    if heatmaps:
+        for r in runs:
+            name = f"{task}_{file_label(r['label'])}.png"
+            niah_heatmap(r["label"], r["evals"][task], os.path.join(out_dir, name))
+            images.append(f"![{r['label']}]({name})")
+    scoring = runs[0]["evals"][task].get("scoring", "")
     commands = [line for c in carried for line in c["commands"]]
     note = ("Accuracy at 1x, 4x, 16x and 32x the run's training window (\"trained at\", tokens; the prompt length "
-            "in brackets, reply included as RULER counts it)" + (f"; scoring: {scoring}" if scoring else "")
-            + ". Heatmaps: length x needle depth, all variants."
+            "in brackets, reply included as RULER counts it) with its 95% interval"
+            + (f"; scoring: {scoring}" if scoring else "") + "."
+            + (f" Heatmaps: {heatmaps}." if heatmaps else "")
             + (f" Rows marked{CARRIED} are kept from an earlier render whose workdirs this one did not read."
                if carried else "")
-            + (" Rows without 95% intervals were scored before RULER-comparable scoring (20 prompts a length, a depth"
-               " after the last haystack unit, no reply reserve, evaluation keys from the training lists): they do"
-               " not compare with RULER's figures or with the rows that have intervals."
-               if any("[" not in row for c in carried for row in c["rows"]) else "")
-            + " The runs:\n\n" + "\n".join(commands + [niah_commands(runs)]))
-    table = niah_table(runs, carried) + "\n\n" + "\n".join(images)
-    return [write_results("niah.md", "Needle in a haystack", command, table, note, directory=out_dir)]
+            + " The runs:\n\n" + "\n".join(commands + [niah_commands(runs, task)]))
+    table = niah_table(runs, carried, task) + ("\n\n" + "\n".join(images) if images else "")
+    return [write_results(filename, title, command, table, note, directory=out_dir)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,7 +418,8 @@ def main(argv=None) -> list[str]:
                          "first")
     os.makedirs(args.out, exist_ok=True)
     command = "make results" if not args.workdirs else "python benchmarks/make_results.py " + " ".join(args.workdirs)
-    written = (write_niah(runs, args.out, command) + write_per_position(runs, args.out, command)
+    written = (write_qa(runs, args.out, command, "niah") + write_qa(runs, args.out, command, "babilong")
+               + write_per_position(runs, args.out, command)
                + write_metric_tables(runs, args.out, command))
     for path in written:
         print(path)

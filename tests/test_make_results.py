@@ -9,12 +9,17 @@ import pytest
 
 from test_scripts import load_script
 
+CI = "[0%, 100%]"  # the 95% interval niah_record gives every length
 
-def niah_record(family: str, seq_len: int, acc_by_length: dict) -> dict:
+
+def niah_record(family: str, seq_len: int, acc_by_length: dict, intervals: bool = True, task: str = "niah",
+                variant: str = "single_1") -> dict:
     by_ld = {str(n): {"0": a, "50": a / 2, "100": a} for n, a in acc_by_length.items()}
     summary = {"accuracy": sum(acc_by_length.values()) / len(acc_by_length),
                "by_length": {str(n): a for n, a in acc_by_length.items()}, "by_length_depth": by_ld}
-    return {"task": "niah", "step": 40, **summary, "by_variant": {"single_1": summary},
+    if intervals:  # [0, 1]: keeps the expected cells short
+        summary["ci95_by_length"] = {str(n): [0.0, 1.0] for n in acc_by_length}
+    return {"task": task, "step": 40, **summary, "by_variant": {variant: summary},
             "scoring": "RULER string_match_all", "config": {"model": {"family": family},
                                                              "train": {"seq_len": seq_len, "batch_size": 4},
                                                              "data": {"cache_dir": "/elsewhere/nlearn-cache"}}}
@@ -58,8 +63,9 @@ def test_make_results_writes_tables_and_plots(tmp_path):
     assert sorted(os.path.basename(p) for p in written) == ["lm_eval.md", "mqar_eval.md", "niah.md",
                                                             "per_position.md"]
     niah = (out / "niah.md").read_text()
-    assert "| titans_lmm | single_1 | 16 | 40 | 100% (16) | 95% (64) | 90% (256) |  |  | 95% |" in niah
-    assert "| transformer | single_1 | 16 | 40 | 100% (16) | 5% (64) |  |  |  | 52% |" in niah  # no 16x: empty
+    assert f"| titans_lmm | single_1 | 16 | 40 | 100% {CI} (16) | 95% {CI} (64) | 90% {CI} (256) |  |  | 95% |" in niah
+    # no 16x: empty
+    assert f"| transformer | single_1 | 16 | 40 | 100% {CI} (16) | 5% {CI} (64) |  |  |  | 52% |" in niah
     assert "| deltanet | not run |" in niah and "| hope | not run |" in niah  # every family has a row
     # what the run changed from today's preset (not where it cached)
     assert (f"nlearn-train --config=benchmarks/configs/niah.py:titans_lmm --workdir={runs / 'lmm'} "
@@ -82,8 +88,8 @@ def test_niah_table_keeps_rows_of_runs_not_rendered_again(tmp_path):
     write_run(tmp_path / "b", "dn", niah_record("deltanet", 16, {16: 0.75}))
     make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])
     niah = (out / "niah.md").read_text()
-    assert "| titans_lmm † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah  # carried over, marked
-    assert "| deltanet | single_1 | 16 | 40 | 75% (16) |" in niah and "| titans_lmm | not run |" not in niah
+    assert f"| titans_lmm † | single_1 | 16 | 40 | 100% {CI} (16) | 50% {CI} (64) |" in niah  # carried over, marked
+    assert "| deltanet | single_1 | 16 | 40 | 75% [0%, 100%] (16) |" in niah and "| titans_lmm | not run |" not in niah
     assert f"--workdir={tmp_path / 'a' / 'lmm'} --config.train.batch_size=4" in niah  # its commands kept
     assert "(niah_titans_lmm.png)" in niah and "Rows marked † are kept" in niah
     make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])  # a third render: still there, once
@@ -101,16 +107,34 @@ def test_a_new_run_of_a_family_does_not_take_the_place_of_its_earlier_row(tmp_pa
     write_run(tmp_path / "b", "mixture", niah_record("titans_mac", 16, {16: 0.25}))
     make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])
     niah = (out / "niah.md").read_text()
-    assert "| titans_mac † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah  # the earlier row, kept
-    assert "| titans_mac (mixture) | single_1 | 16 | 40 | 25% (16) |" in niah  # the new one, by its directory
+    assert f"| titans_mac † | single_1 | 16 | 40 | 100% {CI} (16) | 50% {CI} (64) |" in niah  # the earlier row, kept
+    assert f"| titans_mac (mixture) | single_1 | 16 | 40 | 25% {CI} (16) |" in niah  # the new one, by its directory
     assert "(niah_titans_mac.png)" in niah and "(niah_titans_mac_mixture.png)" in niah
     assert (out / "niah_titans_mac.png").exists() and (out / "niah_titans_mac_mixture.png").exists()
     write_run(tmp_path / "c", "other", niah_record("deltanet", 16, {16: 0.75}))
     make_results.main([str(tmp_path / "c" / "*"), "--out", str(out)])  # both titans_mac rows are carried now
     niah = (out / "niah.md").read_text()
-    assert "| titans_mac † | single_1 | 16 | 40 | 100% (16) | 50% (64) |" in niah
-    assert "| titans_mac (mixture) † | single_1 | 16 | 40 | 25% (16) |" in niah
+    assert "| titans_mac † | single_1 | 16 | 40 | 100% [0%, 100%] (16) | 50% [0%, 100%] (64) |" in niah
+    assert "| titans_mac (mixture) † | single_1 | 16 | 40 | 25% [0%, 100%] (16) |" in niah
     assert niah.count("| titans_mac † |") == 1 and "(niah_titans_mac_mixture.png)" in niah
+
+
+def test_rows_without_intervals_are_not_carried_and_babilong_has_its_table(tmp_path):
+    """Rows scored before RULER-comparable scoring (no 95% intervals) leave niah.md on the next render;
+    babilong records get babilong.md, one row per qa task."""
+    make_results, out = load_script("make_results"), tmp_path / "results"
+    write_run(tmp_path / "a", "old", niah_record("titans_lmm", 16, {16: 1.0}, intervals=False))
+    make_results.main([str(tmp_path / "a" / "*"), "--out", str(out)])
+    assert "| titans_lmm | single_1 | 16 | 40 | 100% (16) |" in (out / "niah.md").read_text()
+    write_run(tmp_path / "b", "mix", niah_record("titans_mac", 16, {16: 0.75}),
+              niah_record("titans_mac", 16, {16: 0.5, 64: 0.25}, task="babilong", variant="qa2"))
+    written = make_results.main([str(tmp_path / "b" / "*"), "--out", str(out)])
+    niah = (out / "niah.md").read_text()
+    assert "titans_lmm" not in niah.split("| not run |")[0] and "| titans_lmm | not run |" in niah
+    assert "babilong.md" in [os.path.basename(p) for p in written]
+    babilong = (out / "babilong.md").read_text()
+    assert "| titans_mac | qa2 | 16 | 40 | 50% [0%, 100%] (16) | 25% [0%, 100%] (64) |" in babilong
+    assert f"--workdir={tmp_path / 'b' / 'mix'} --task=babilong" in babilong
 
 
 def test_make_results_says_when_nothing_is_there(tmp_path):
