@@ -12,6 +12,7 @@ from run_helpers import load_family_config
 from nlearn import config as config_lib
 from nlearn.errors import UserError
 from nlearn.train.state import make_setup
+from nlearn.train import write_penalty as wp
 from nlearn.train.step import make_train_step, token_losses_and_write_cost
 
 
@@ -137,14 +138,25 @@ def test_bad_settings_are_refused_with_the_culprit(family, overrides, culprit):
         config_lib.validate(config)
 
 
-def test_titans_mac_refuses_the_cost_with_state_passing():
-    """MAC's memory runs inside its decoding branches, which report no cost: refused, not silently uncharged."""
-    config = load_family_config("titans_mac")
+def test_titans_mac_reports_its_write_cost_while_decoding():
+    """MAC's memory runs inside its decoding branches (whole segments at once, or token by token from mid-segment):
+    both report the mean cost its training forward does, so the cost and train.state_passing combine."""
+    config = small_config("titans_mac")
     with config.unlocked():
         config.model.mac_positions = "segment"
         config.train.update(write_penalty=0.1, state_passing=0.5)
-    with pytest.raises(UserError, match="reports no write cost while decoding"):
-        config_lib.validate(config)
+    config_lib.validate(config)
+    setup = make_setup(config)
+    model = nnx.merge(setup.graphdef, setup.init_state()["params"])
+    c = config.model.segment_len
+    x = tokens((2, 2 * c))
+    _, forward = wp.run_costed(model.__call__, x)
+    (_, cache), whole = wp.run_costed(model.decode, x, model.init_cache(2, 2 * c))
+    (_, cache), first = wp.run_costed(model.decode, x[:, :1], model.init_cache(2, 2 * c))
+    _, rest = wp.run_costed(model.decode, x[:, 1:], cache)
+    assert float(forward) > 0
+    np.testing.assert_allclose(float(whole), float(forward), rtol=1e-5)
+    np.testing.assert_allclose((float(first) + (2 * c - 1) * float(rest)) / (2 * c), float(forward), rtol=1e-5)
 
 
 def test_scanned_layers_are_refused():

@@ -287,7 +287,8 @@ class MACMixer(nnx.Module):
         return {**cache, "next": cache["next"] % self.segment_len}
 
     def _step(self, x_B1D, cache):
-        """One token: retrieve with the segment's start weights, attend to the segment so far."""
+        """One token: retrieve with the segment's start weights, attend to the segment so far. Returns the
+        output, the cache and the memory's write cost (0 unless recorded)."""
         b = x_B1D.shape[0]
         c = self.segment_len
         pos = cache["next"]
@@ -302,17 +303,17 @@ class MACMixer(nnx.Module):
         n_p = keys.shape[1] - 2 * c
         mask = with_prefix_mask(jnp.concatenate([seen, seen])[None], n_p)  # [1, N_p + 2C]
         y = masked_attention(q, keys, values, mask)
-        out, lmm, _ = self._output(x_B1D, y, cache["lmm"])
+        out, lmm, cost = self._output(x_B1D, y, cache["lmm"])
         # The segment ends with this token: later tokens retrieve from the memory it leaves.
         retrieval = _select(p == c - 1, lmm["state"].theta, cache["retrieval"])
-        return out, {"retrieval": retrieval, "lmm": lmm, "attn_convs": attn_convs, "kv": kv, "next": pos + 1}
+        return out, {"retrieval": retrieval, "lmm": lmm, "attn_convs": attn_convs, "kv": kv, "next": pos + 1}, cost
 
     def _prefill(self, x_BTD, cache):
         """T tokens from a segment boundary: the training path (segments in parallel)."""
         t = x_BTD.shape[1]
         c = self.segment_len
         lmm = cache["lmm"]
-        out, _, before, (state, convs), last_kv, attn_convs, _ = self._segments(
+        out, _, before, (state, convs), last_kv, attn_convs, costs = self._segments(
             x_BTD, cache["next"], lmm["state"], lmm["convs"], cache["attn_convs"])
         if last_kv is None:  # ends on a segment boundary: the next segment starts empty
             retrieval, kv = state.theta, cache["kv"]
@@ -321,21 +322,25 @@ class MACMixer(nnx.Module):
             kv = tuple(jnp.pad(z.astype(buf.dtype), ((0, 0), (0, c - z.shape[1]), (0, 0), (0, 0)))
                        for z, buf in zip(last_kv, cache["kv"]))
         return out, {"retrieval": retrieval, "lmm": {"convs": convs, "state": state}, "attn_convs": attn_convs,
-                     "kv": kv, "next": cache["next"] + t}
+                     "kv": kv, "next": cache["next"] + t}, jnp.mean(costs)
 
     def _decode(self, x_BTD, cache):
+        """Decoding (and train.state_passing's forward) sows the memory's mean write cost as `_forward` does."""
         if x_BTD.shape[1] == 1:
-            return self._step(x_BTD, cache)
+            out, cache, cost = self._step(x_BTD, cache)
+        else:
+            def by_tokens(x, cache):
+                def body(cache, x_t):
+                    out, cache, cost = self._step(x_t[:, None], cache)
+                    return cache, (out[:, 0], cost)
 
-        def by_tokens(x, cache):
-            def body(cache, x_t):
-                out, cache = self._step(x_t[:, None], cache)
-                return cache, out[:, 0]
+                cache, (out, costs) = lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
+                return jnp.moveaxis(out, 0, 1), cache, jnp.mean(costs)
 
-            cache, out = lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
-            return jnp.moveaxis(out, 0, 1), cache
-
-        return lax.cond(cache["next"] % self.segment_len == 0, self._prefill, by_tokens, x_BTD, cache)
+            out, cache, cost = lax.cond(cache["next"] % self.segment_len == 0, self._prefill, by_tokens, x_BTD, cache)
+        if self.lmm.record_writes:
+            self.sow(nnx.Intermediate, "sown_write_cost", cost)
+        return out, cache
 
 
 # ----------------------------------------------------------------------------------------------

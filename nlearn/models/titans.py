@@ -82,7 +82,7 @@ def _mixer(cls):
 
 # Keys added after runs were saved, with the value such a run trained with.
 _CONV = ("model.attn_conv_size", 0)
-register("titans_mac", _mixer(MACMixer), validate_mac, flops=flops.mac, write_cost=True, decode_write_cost=False,
+register("titans_mac", _mixer(MACMixer), validate_mac, flops=flops.mac, write_cost=True,
          migrations=(_CONV, PAPER_STEP, *WRITE_GATE_MIGRATIONS, ("model.mac_output", "gate"),
                      ("model.mac_memory_input", "x+y"), ("model.mac_positions", "absolute")))
 register("titans_mag", _mixer(MAGMixer), validate_mag, flops=flops.windowed_titans, write_cost=True,
