@@ -1,27 +1,29 @@
 """Needle in a haystack (RULER S-NIAH) for any family: `benchmarks/configs/niah.py:<family>`.
 
-Trains on RULER prompts (data.source='niah': filler haystack, one needle at a uniform depth, loss on the
-answer only), first 3000 steps on windows of 256 tokens (prompts of 192-256: the template and at most two
-filler lines, where the task format is learnt), then on windows of 512 (prompts of 384-512: up to ~350
-filler tokens to keep the needle over); `nlearn-eval --task=niah` then asks the same question at lengths the
-model never saw:
+Trains on RULER prompts (filler haystack, one needle at a uniform depth, loss on the answer only), first 3000
+steps on windows of 256 tokens (prompts of 192-256: the template and at most two filler lines, where the task
+format is learnt), then on windows of 512 (prompts of 384-512: up to ~350 filler tokens to keep the needle
+over); `nlearn-eval` then asks the same question at lengths the model never saw, with held-out keys:
 
-  nlearn-train --config=benchmarks/configs/niah.py:titans_lmm --workdir=runs/niah-titans_lmm
-  nlearn-eval --workdir=runs/niah-titans_lmm --task=niah --lengths=512,2048,8192,16384
+  nlearn-train --config=benchmarks/configs/niah.py:titans_mac --workdir=runs/niah/titans_mac
+  nlearn-eval --workdir=runs/niah/titans_mac --task=niah --variant=single_1,single_2 --lengths=512,2048,8192,16384
+
+`--config.data.source=niah+babilong --config.data.niah.variants=single_1,single_2` trains one checkpoint on
+S-NIAH-1, S-NIAH-2 (a needle in corpus text) and BABILong-style qa1/qa2 (TASK["qa_tasks"]) for
+`nlearn-eval --task=babilong --variant=qa1,qa2` as well (docs/long_context.md).
 
 Model as benchmarks/configs/mqar.py (2 layers, d_model=128, Titans memories linear) with a 1024-piece tokenizer on the
-built-in corpus (digits are single pieces). TASK["variants"] takes any of nlearn.tasks.niah.data.VARIANTS
-(e.g. "single_1,single_2" for a mixture).
+built-in corpus (digits are single pieces). TASK["variants"] takes any of nlearn.tasks.niah.data.VARIANTS.
 """
 
 import importlib.util
 import os
 
 # RULER's single_1 prompt is ~158 tokens with this tokenizer, so windows start at 256 (prompts of 192-256).
-TASK = dict(seq_len=512, min_len=384, curriculum="256:3000", variants="single_1", vocab_size=1024,
-            eval_examples=64, loss_on="answer")
+TASK = dict(source="niah", variants="single_1", qa_tasks="qa1,qa2", seq_len=512, min_len=384,
+            curriculum="256:3000", vocab_size=1024, eval_examples=64, loss_on="answer")
 MODEL = dict(d_model=128, num_layers=2, num_heads=2, mlp_dim=128)
-# Fewer than ~3000 steps at 256 do not learn the task (results/history.md): ~24 minutes on 2 idle cores.
+# Fewer than ~3000 steps at 256 do not learn the task (results/history.md): ~58 minutes on one core (5.5k tokens/s).
 BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="cosine", min_lr_ratio=0.1, warmup_steps=20,
               weight_decay=0.0, cpu_opt_preset="fast_compile")
 FAMILY_OVERRIDES: dict[str, dict] = {
@@ -54,9 +56,10 @@ def get_config(family: str = "titans_lmm"):
     mqar = _mqar_module()
     config = mqar.family_base(family)
     with config.unlocked():
-        config.data.source = "niah"
+        config.data.source = TASK["source"]
         config.data.vocab_size = TASK["vocab_size"]
         config.data.niah.variants = TASK["variants"]
+        config.data.babilong.tasks = TASK["qa_tasks"]
         config.data.niah.min_len = TASK["min_len"]
         config.data.niah.eval_examples = TASK["eval_examples"]
         config.data.niah.loss_on = TASK["loss_on"]
