@@ -102,7 +102,7 @@ def multiple(length: int, seq_len) -> str:
     return f"{m:g}x"
 
 
-def niah_table(runs: list[dict], carried: list[dict] = (), task: str = "niah") -> str:
+def qa_table(runs: list[dict], carried: list[dict] = (), task: str = "niah") -> str:
     """Accuracy per run and variant (rows; for babilong: its qa tasks), with its 95% interval, at 1x, 4x, 16x and
     32x the run's training window (columns; other lengths scored go to the last column), after the rows
     `carried` over from the previous table (marked), then
@@ -204,7 +204,7 @@ def flag_value(value) -> str:
     return json.dumps(value)
 
 
-def niah_commands(runs: list[dict], task: str = "niah") -> str:
+def qa_commands(runs: list[dict], task: str = "niah") -> str:
     """The training and scoring command of each run, as its eval record has them."""
     lines = []
     for r in runs:
@@ -238,10 +238,10 @@ def row_label(row: str) -> str:
     return row.split(" | ")[0][2:].removesuffix(CARRIED.strip()).strip()
 
 
-def earlier_niah_runs(path: str) -> list[dict]:
-    """The runs an existing niah.md shows, `{"label", "family", "workdir", "rows", "commands", "image"}`, read
-    back from its command block, table and image lines: the only place their figures survive once a workdir is
-    gone (workdirs live in /tmp or on machines that are given back)."""
+def earlier_qa_runs(path: str) -> list[dict]:
+    """The runs an existing niah.md or babilong.md shows, `{"label", "family", "workdir", "rows", "commands",
+    "image"}`, read back from its command block, table and image lines: the only place their figures survive once
+    a workdir is gone (workdirs live in /tmp or on machines that are given back)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -275,13 +275,13 @@ def earlier_niah_runs(path: str) -> list[dict]:
     return earlier
 
 
-def carried_niah_runs(path: str, live: list[dict]) -> list[dict]:
+def carried_qa_runs(path: str, live: list[dict]) -> list[dict]:
     """The runs of an existing table that no run of this render replaces: only a run of the same workdir
     does, or one of the same directory name and family (a workdir copied elsewhere). A live run whose short
     label an earlier run of another workdir holds is relabelled with its directory's name first, so a new run
     of a family never takes the place of that family's earlier row. Rows without 95% intervals (scored
     before RULER-comparable scoring) are not carried. Delete the file to start afresh."""
-    earlier = earlier_niah_runs(path)
+    earlier = earlier_qa_runs(path)
     for r in live:
         workdir = os.path.normpath(r["workdir"])
         if any(e["label"] == r["label"] and e["workdir"] != workdir for e in earlier):
@@ -305,7 +305,7 @@ def write_qa(runs: list[dict], out_dir: str, command: str, task: str) -> list[st
     if not runs:
         return []
     filename, title, heatmaps = QA_TABLES[task]
-    carried = carried_niah_runs(os.path.join(out_dir, filename), runs)
+    carried = carried_qa_runs(os.path.join(out_dir, filename), runs)
     images = [c["image"] for c in carried if c["image"]]
     if heatmaps:
         for r in runs:
@@ -320,8 +320,8 @@ def write_qa(runs: list[dict], out_dir: str, command: str, task: str) -> list[st
             + (f" Heatmaps: {heatmaps}." if heatmaps else "")
             + (f" Rows marked{CARRIED} are kept from an earlier render whose workdirs this one did not read."
                if carried else "")
-            + " The runs:\n\n" + "\n".join(commands + [niah_commands(runs, task)]))
-    table = niah_table(runs, carried, task) + ("\n\n" + "\n".join(images) if images else "")
+            + " The runs:\n\n" + "\n".join(commands + [qa_commands(runs, task)]))
+    table = qa_table(runs, carried, task) + ("\n\n" + "\n".join(images) if images else "")
     return [write_results(filename, title, command, table, note, directory=out_dir)]
 
 
