@@ -83,6 +83,9 @@ def test_presets_have_their_pinned_sizes(preset):
     ("targets", "moving", "chunk, initial"),
     ("inner_step", "nlms", "plain, normalized"),
     ("retain_to", "one", "zero, initial"),
+    ("lr_gate", "relu", "none, sigmoid, hard_sigmoid"),
+    ("gate_conv", 1, "True or False"),
+    ("gate_conv", True, "set model.memory.lr_gate too"),  # lr_gate "none": no gate to feed
 ])
 def test_bad_memory_values_are_refused_naming_the_key(key, value, needle):
     config = self_ref_titans.get_config("tiny")
@@ -149,7 +152,7 @@ def _check_override(override):
 @pytest.mark.parametrize("memory", [dict(), pytest.param(dict(chunk_memory=8, chunk_other=4, read="chunk_start"),
                                                           marks=pytest.mark.slow),
                                     pytest.param(dict(read_residual=False), marks=pytest.mark.slow),
-                                    dict(retain_to="initial")])
+                                    dict(retain_to="initial"), dict(lr_gate="sigmoid", gate_conv=True)])
 def test_decoding_equals_the_forward_with_a_constant_size_cache(memory):
     """A 5-token prompt, then one token at a time across chunk boundaries of both grids."""
     config = small(**memory)

@@ -22,7 +22,8 @@ def small_config(family="deltanet", **train):
         config.data.vocab_size = 61
         config.model.update(vocab_size=61, d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
         gate = "beta_gate" if "beta_gate" in config.model.memory else "lr_gate"
-        config.model.memory.update(chunk_size=4, **{gate: "hard_sigmoid"})
+        chunks = dict(chunk_memory=4, chunk_other=4) if "chunk_other" in config.model.memory else dict(chunk_size=4)
+        config.model.memory.update(**chunks, **{gate: "hard_sigmoid"})
         config.train.update(batch_size=4, seq_len=11, warmup_steps=0, lr=1e-2, **train)
     return config
 
@@ -58,8 +59,8 @@ def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
     np.testing.assert_allclose(float(cost), sum(np.mean(np.maximum(zl + 4.0, 0.0) / 6.0) for zl in z), rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["titans_mac", "ttt_linear"] + [  # MAC's segment scan; TTT's own layer
-    pytest.param(f, marks=pytest.mark.slow) for f in ("titans_lmm", "titans_mag", "titans_mal", "ttt_mlp")])
+@pytest.mark.parametrize("family", ["titans_mac", "ttt_linear", "self_ref_titans"] + [  # MAC's segment scan; own layers
+    pytest.param(f, marks=pytest.mark.slow) for f in ("titans_lmm", "titans_mag", "titans_mal", "ttt_mlp", "hope")])
 def test_every_gated_memory_charges_its_learning_rate_gate(family):
     """With every lr gate constant (kernel 0, bias b) each layer charges relu(b + 4) / 6, Titans MAC (whose memory
     runs inside its segment scan) included; a gate below -4 charges nothing."""
@@ -128,11 +129,16 @@ def test_the_cost_alone_closes_every_write_gate_exactly(family):
     ("deltanet", dict(write_penalty=-0.1), "train.write_penalty=-0.1"),
     ("deltanet", dict(write_penalty=0.1, write_penalty_from=-1), "train.write_penalty_from=-1"),
     ("linear_attention", dict(write_penalty=0.1), "has no write gate"),
-    ("self_ref_titans", dict(write_penalty=0.1), "has no write gate"),
+    ("transformer", dict(write_penalty=0.1), "has no write gate"),
+    ("self_ref_titans", dict(write_penalty=0.1), "model.memory.lr_gate='none'"),  # the default: no layer gate
+    ("hope", dict(write_penalty=0.1), "model.memory.lr_gate='none'"),
+    ("hope", dict(write_penalty=0.1, state_passing=0.5, lr_gate="hard_sigmoid"), "no write cost while decoding"),
 ])
 def test_bad_settings_are_refused_with_the_culprit(family, overrides, culprit):
     config = load_family_config(family)
     with config.unlocked():
+        if "lr_gate" in overrides:
+            config.model.memory.lr_gate = overrides.pop("lr_gate")
         config.train.update(**overrides)
     with pytest.raises(UserError, match=culprit):
         config_lib.validate(config)
@@ -174,3 +180,21 @@ def test_micro_batches_report_the_same_loss_and_cost_as_one_batch():
     _, _, halves = run_steps(small_config(write_penalty=5.0, grad_accum=2), 1)
     for key in ("loss", "write_cost"):
         np.testing.assert_allclose(halves[0][key], whole[0][key], rtol=1e-5)
+
+
+def test_self_referential_titans_reports_its_write_cost_while_decoding():
+    """The layer gate's cost from a whole prompt or token by token equals the training forward's, so the cost
+    and train.state_passing combine for self_ref_titans."""
+    config = small_config("self_ref_titans")
+    with config.unlocked():
+        config.model.memory.gate_conv = True
+        config.train.update(write_penalty=0.1, state_passing=0.5)
+    config_lib.validate(config)
+    setup = make_setup(config)
+    model = nnx.merge(setup.graphdef, setup.init_state()["params"])
+    x = tokens((2, 6))
+    _, forward = wp.run_costed(model.__call__, x)
+    (_, cache), first = wp.run_costed(model.decode, x[:, :5], model.init_cache(2, 6))
+    _, last = wp.run_costed(model.decode, x[:, 5:], cache)
+    assert float(forward) > 0
+    np.testing.assert_allclose((5 * float(first) + float(last)) / 6, float(forward), rtol=1e-5)

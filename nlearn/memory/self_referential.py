@@ -146,7 +146,7 @@ def _make_spec(*, chunk_memory, chunk_other, activation, dgd, dgd_output, read, 
 # Checks and state
 
 
-def _check_inputs(x, q, lr_bias, retain_bias):
+def _check_inputs(x, q, lr_bias, retain_bias, write_gate=None):
     if x.ndim != 4:
         raise ValueError(f"x must have shape [B, T, H, D], got shape {tuple(x.shape)}")
     if q.shape != x.shape:
@@ -155,6 +155,9 @@ def _check_inputs(x, q, lr_bias, retain_bias):
     for name, b in (("lr_bias", lr_bias), ("retain_bias", retain_bias)):
         if tuple(jnp.shape(b)) != (heads,):
             raise ValueError(f"{name} must have shape [H] = ({heads},), got shape {tuple(jnp.shape(b))}")
+    if write_gate is not None and tuple(jnp.shape(write_gate)) != x.shape[:3]:
+        raise ValueError(f"write_gate must have shape [B, T, H] = {tuple(x.shape[:3])}, "
+                         f"got shape {tuple(jnp.shape(write_gate))}")
 
 
 def _check_weights(weights, names, heads: int, dim: int, batch: int | None, what: str = "weights0") -> None:
@@ -254,9 +257,10 @@ def _split_columns(a, widths):
     return jnp.split(a, cuts, axis=-1) if cuts else [a]
 
 
-def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias):
+def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias, gate=None):
     """k, v, lr, log(retain), β = lr / retain and the read query of a block of tokens from the
-    generators' chunk-start states (`[B, H, C, ...]`)."""
+    generators' chunk-start states (`[B, H, C, ...]`); a write gate g [B, H, C] scales the token's step
+    (β ← g β, log retain ← g log retain), so g = 0 leaves every memory as it was."""
     out = {}
     for n, h in zip(GENERATORS, _first_layers(spec, GENERATORS, start, x)):
         y = _mm(spec, h, start[n][1])
@@ -264,6 +268,8 @@ def _generate(spec: _Spec, start, x, q_in, lr_bias, retain_bias):
     k = _l2norm(out["k"])
     log_retain = jax.nn.log_sigmoid(out["retain"])
     beta = spec.lr_max * jax.nn.sigmoid(out["lr"])
+    if gate is not None:
+        log_retain, beta = gate * log_retain, gate * beta
     retain = jnp.exp(log_retain)
     q = _l2norm(_apply(spec, start["q"], q_in)) if spec.adaptive_q else q_in
     return dict(k=k, v=out["v"], q=q, log_retain=log_retain, retain=retain, beta=beta, lr=beta * retain)
@@ -317,14 +323,15 @@ def _bias(name, lr_bias, retain_bias):
 # Recurrent form: one token at a time (the reference and the decode step)
 
 
-def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t, w0=None):
-    """One token for all (batch, head): x_t, q_t [B, H, D]. Returns (o_t [B, H, D], new state)."""
+def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_t, q_t, w0=None, gate_t=None):
+    """One token for all (batch, head): x_t, q_t [B, H, D], gate_t [B, H] or None. Returns (o_t [B, H, D],
+    new state)."""
     pos = state.pos
     fresh = {n: (pos % (spec.chunk_memory if n == "memory" else spec.chunk_other)) == 0 for n in spec.names}
     start = {n: tuple(jnp.where(fresh[n], c, s) for c, s in zip(state.weights[n], state.start[n]))
              for n in spec.names}
     x1, q1 = x_t[..., None, :], q_t[..., None, :]  # [B, H, 1, D]
-    g = _generate(spec, start, x1, q1, lr_bias, retain_bias)
+    g = _generate(spec, start, x1, q1, lr_bias, retain_bias, None if gate_t is None else gate_t[..., None])
     k, lr, retain = g["k"], g["lr"][..., None], g["retain"][..., None]  # gates [B, H, 1, 1]
     k_col = jnp.swapaxes(k, -1, -2)  # [B, H, D, 1]
     new = {}
@@ -346,12 +353,14 @@ def _token_step(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x_
     return o, SelfRefTitansState(new, start, (pos + 1) % spec.period)
 
 
-def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q, w0=None):
+def _recurrent(spec: _Spec, lr_bias, retain_bias, state, x, q, w0=None, gate=None):
     def body(st, xs):
-        o, st = _token_step(spec, lr_bias, retain_bias, st, *xs, w0=w0)
+        x_t, q_t, *gate_t = xs
+        o, st = _token_step(spec, lr_bias, retain_bias, st, x_t, q_t, w0=w0, gate_t=gate_t[0] if gate_t else None)
         return st, o
 
-    state, o = _sqrt_scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(q, 1, 0)))
+    xs = (x, q) if gate is None else (x, q, gate)
+    state, o = _sqrt_scan(body, state, tuple(jnp.moveaxis(z, 1, 0) for z in xs))
     return jnp.moveaxis(o, 0, 1), state
 
 
@@ -467,10 +476,10 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, w0=None):
     """One period of L = max(chunk sizes) tokens: the generators' chunks, then the memory's.
 
     carry: (current weights, the chunk-start weights of the last chunk holding a live token, or None).
-    xs: x, q [B, H, L, D] and the live-token mask [L] (None: all live). resume: (stored chunk-start
-    weights, stream position) for the first block of a stream resumed inside a chunk."""
+    xs: x, q [B, H, L, D], the write gate [B, H, L] (or None) and the live-token mask [L] (None: all live).
+    resume: (stored chunk-start weights, stream position) for the first block of a stream resumed inside a chunk."""
     weights, last_start = carry
-    x, q, live = xs
+    x, q, gate, live = xs
     weights, last_start = dict(weights), None if last_start is None else dict(last_start)
 
     def starts(names, j, size):
@@ -493,7 +502,8 @@ def _block(spec: _Spec, lr_bias, retain_bias, carry, xs, resume=None, w0=None):
     for j in range(spec.period // size):
         sl = slice(j * size, (j + 1) * size)
         start = starts(gens, j, size)
-        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
+        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias,
+                      None if gate is None else gate[..., sl])
         if live is not None:
             on = live[sl]
             g.update(lr=jnp.where(on, g["lr"], 0.0), beta=jnp.where(on, g["beta"], 0.0),
@@ -532,16 +542,18 @@ def _pieces(p: int, t_len: int, size: int) -> list:
     return out
 
 
-def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int, w0=None):
-    """Tokens at static positions [p, p + t) of one period (x, q [B, H, t, D], p + t <= L): only the chunks
-    they touch, each cut to its tokens; a piece that starts inside a chunk reads the stored chunk-start
-    weights. The padded block with its dead tokens masked computes the same at the cost of the whole period."""
+def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, p: int, w0=None, gate=None):
+    """Tokens at static positions [p, p + t) of one period (x, q [B, H, t, D], gate [B, H, t], p + t <= L):
+    only the chunks they touch, each cut to its tokens; a piece that starts inside a chunk reads the stored
+    chunk-start weights. The padded block with its dead tokens masked computes the same at the cost of the
+    whole period."""
     weights, starts = dict(state.weights), dict(state.start)
     gens = [n for n in spec.names if n != "memory"]
     parts = []
     for sl, fresh in _pieces(p, x.shape[2], spec.chunk_other):
         start = {n: weights[n] if fresh else starts[n] for n in gens}
-        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias)
+        g = _generate(spec, start, x[..., sl, :], q[..., sl, :], lr_bias, retain_bias,
+                      None if gate is None else gate[..., sl])
         new, _ = _write_chunk(spec, g, _decay(g["log_retain"], spec.read), gens, start, weights, w0=w0)
         weights.update(new)
         starts.update(start)
@@ -560,7 +572,8 @@ def _segment(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     return jnp.concatenate(outs, axis=2), weights, starts
 
 
-def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool, w0=None):
+def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q, want_start: bool, w0=None,
+             gate=None):
     """Blocks of L = max(chunk sizes) tokens through a rematerialised `lax.scan`; the stream's
     position p puts token 0 at index p of a timeline of whole blocks whose other tokens write nothing."""
     bsz, t_len, heads, dim = x.shape
@@ -568,7 +581,8 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
     p = _static_int(state.pos)
     if p is not None and p % size + t_len <= size and t_len < size:  # inside one period: its chunks only
         o, weights, starts = _segment(spec, lr_bias, retain_bias, state, jnp.swapaxes(x, 1, 2),
-                                      jnp.swapaxes(q, 1, 2), p % size, w0)
+                                      jnp.swapaxes(q, 1, 2), p % size, w0,
+                                      None if gate is None else jnp.swapaxes(gate, 1, 2))
         pos = np.asarray((p + t_len) % size, np.int32)
         return jnp.swapaxes(o, 1, 2), SelfRefTitansState(weights, starts if want_start else state.start, pos)
     if p is not None:
@@ -576,21 +590,22 @@ def _chunked(spec: _Spec, lr_bias, retain_bias, state: SelfRefTitansState, x, q,
         n = -(-(p + t_len) // size)
 
         def place(z):
-            return jnp.pad(z, [(0, 0), (p, n * size - p - t_len), (0, 0), (0, 0)])
+            return jnp.pad(z, [(0, 0), (p, n * size - p - t_len)] + [(0, 0)] * (z.ndim - 2))
     else:
         p = state.pos % size
         n = -(-(t_len + size - 1) // size)
 
         def place(z):
-            return lax.dynamic_update_slice(jnp.zeros((bsz, n * size, heads, dim), z.dtype), z, (0, p, 0, 0))
+            return lax.dynamic_update_slice(jnp.zeros((bsz, n * size) + z.shape[2:], z.dtype), z,
+                                            (0, p) + (0,) * (z.ndim - 2))
 
-    def blocks(z):  # [B, n·L, H, D] -> [n, B, H, L, D]
-        return jnp.moveaxis(place(z).reshape(bsz, n, size, heads, dim), (1, 3), (0, 2))
+    def blocks(z):  # [B, n·L, H, ...] -> [n, B, H, L, ...]
+        return jnp.moveaxis(place(z).reshape(bsz, n, size, *z.shape[2:]), (1, 3), (0, 2))
 
     idx = jnp.arange(n * size).reshape(n, size)
     masked = not (isinstance(p, int) and p == 0 and n * size == t_len)
     live = ((idx >= p) & (idx < p + t_len)) if masked else None
-    xs = (blocks(x), blocks(q), live)
+    xs = (blocks(x), blocks(q), None if gate is None else blocks(gate), live)
     carry = (state.weights, dict(state.start) if want_start else None)
     tmap = jax.tree_util.tree_map
     outs = []
@@ -621,7 +636,7 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
                             dgd_output: bool = False, read: str = "after_write", self_targets: bool = True,
                             adaptive_q: bool = False, targets: str = "chunk", inner_step: str = "plain",
                             retain_to: str = "zero", initial_state=None, impl: str = "chunked", precision=HIGHEST,
-                            return_stream_state: bool = False):
+                            return_stream_state: bool = False, write_gate=None):
     """Run self-referential Titans over a sequence.
 
     x, q: [B, T, H, D] (the layer has applied conv, projections and q's L2 norm).
@@ -634,6 +649,8 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
     retain_to: "zero" (docs/self_referential.md) or "initial" (toward weights0, which must then be given).
     initial_state: a weights dict like the returned state (continues a stream split on a chunk
       boundary of both grids) or a `SelfRefTitansState` (resumes anywhere).
+    write_gate: None, or [B, T, H] in [0, 1]: token t's step scaled by g_t (lr and the log of retain), so a
+      closed gate (0) leaves every memory exactly as it was (the layer's `memory.lr_gate`).
     Returns `(o [B, T, H, D], state)`: the final weights `{name: (W_in, W_out)}` as `[B, H, ...]`,
     or a `SelfRefTitansState` with `return_stream_state`.
     """
@@ -643,20 +660,22 @@ def self_referential_titans(x, q, *, weights0=None, lr_bias, retain_bias, lr_max
                       retain_to=retain_to)
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid impls: {list(IMPLS)}")
-    _check_inputs(x, q, lr_bias, retain_bias)
+    _check_inputs(x, q, lr_bias, retain_bias, write_gate)
     bsz, t_len, heads, dim = x.shape
     state = _as_state(initial_state, weights0, spec.names, bsz, heads, dim)
     out_dtype, dt = x.dtype, jnp.promote_types(x.dtype, jnp.float32)
     x, q = x.astype(dt), q.astype(dt)
+    gate = None if write_gate is None else jnp.asarray(write_gate).astype(dt)
     lr_bias, retain_bias = jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt)
     state = _cast_state(state, dt)
     w0 = _initial_weights(spec, weights0, heads, dim, dt)
     if t_len == 0:
         o = jnp.zeros(x.shape, dt)
     elif impl == "recurrent":
-        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q, w0)
+        o, state = _recurrent(spec, lr_bias, retain_bias, state, x, q, w0, gate)
     else:
-        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state, w0=w0)
+        o, state = _chunked(spec, lr_bias, retain_bias, state, x, q, want_start=return_stream_state, w0=w0,
+                            gate=gate)
     o = o.astype(out_dtype)
     return o, (state if return_stream_state else state.weights)
 
@@ -666,18 +685,19 @@ def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias
                                  dgd: bool = True, dgd_output: bool = False, read: str = "after_write",
                                  self_targets: bool = True, adaptive_q: bool = False, targets: str = "chunk",
                                  inner_step: str = "plain", retain_to: str = "zero", weights0=None,
-                                 precision=HIGHEST):
+                                 precision=HIGHEST, write_gate_t=None):
     """Decode one token: x_t, q_t [B, H, D]; `state` from `init_state` or
     `self_referential_titans(..., return_stream_state=True)`; weights0 as there (needed by
-    `targets="initial"` and `retain_to="initial"`). Returns `(o_t [B, H, D], state)`; steps equal the full
-    sequence across chunk boundaries of both grids."""
+    `targets="initial"` and `retain_to="initial"`); write_gate_t [B, H] or None as `write_gate` there. Returns
+    `(o_t [B, H, D], state)`; steps equal the full sequence across chunk boundaries of both grids."""
     spec = _make_spec(chunk_memory=chunk_memory, chunk_other=chunk_other, activation=activation, dgd=dgd,
                       dgd_output=dgd_output, read=read, self_targets=self_targets, adaptive_q=adaptive_q,
                       lr_max=lr_max, precision=precision, targets=targets, inner_step=inner_step,
                       retain_to=retain_to)
     if x_t.ndim != 3:
         raise ValueError(f"x_t must have shape [B, H, D], got shape {tuple(x_t.shape)}")
-    _check_inputs(x_t[:, None], q_t[:, None] if q_t.ndim == 3 else q_t, lr_bias, retain_bias)
+    _check_inputs(x_t[:, None], q_t[:, None] if q_t.ndim == 3 else q_t, lr_bias, retain_bias,
+                  None if write_gate_t is None else jnp.asarray(write_gate_t)[:, None])
     bsz, heads, dim = x_t.shape
     if not isinstance(state, SelfRefTitansState):
         raise ValueError("state must be a SelfRefTitansState (from init_state or return_stream_state=True)")
@@ -685,7 +705,8 @@ def self_referential_titans_step(x_t, q_t, *, state: SelfRefTitansState, lr_bias
     out_dtype, dt = x_t.dtype, jnp.promote_types(x_t.dtype, jnp.float32)
     state = _cast_state(state, dt)
     o, state = _token_step(spec, jnp.asarray(lr_bias, dt), jnp.asarray(retain_bias, dt), state,
-                           x_t.astype(dt), q_t.astype(dt), _initial_weights(spec, weights0, heads, dim, dt))
+                           x_t.astype(dt), q_t.astype(dt), _initial_weights(spec, weights0, heads, dim, dt),
+                           None if write_gate_t is None else jnp.asarray(write_gate_t).astype(dt))
     return o.astype(out_dtype), state
 
 

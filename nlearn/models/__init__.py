@@ -22,17 +22,18 @@ def validate_config(config) -> None:
     if memory is not None and memory.conv_init not in ShortConv.INITS:
         raise UserError(f"invalid config value model.memory.conv_init={memory.conv_init!r}: valid choices: "
                         f"{', '.join(ShortConv.INITS)}")
+    family = FAMILIES[config.model.family]
     if memory is not None:  # the memories' gate choices (a family's memory has some of these keys or none)
         from nlearn.layers.mixers import DeltaNetMixer
         from nlearn.layers.mixers.base import WRITE_GATES
+        lr_gates = (("none",) if family.optional_write_gate else ()) + tuple(WRITE_GATES)
         for key, choices in (("qk_activation", DeltaNetMixer.QK_ACTIVATIONS), ("beta_gate", WRITE_GATES),
-                             ("lr_gate", WRITE_GATES)):
+                             ("lr_gate", lr_gates)):
             if key in memory and memory[key] not in choices:
                 raise UserError(f"invalid config value model.memory.{key}={memory[key]!r}: valid "
                                 f"choices: {', '.join(choices)}")
     if memory is not None and "beta_min" in memory and not 0.0 <= memory.beta_min < 1.0:
         raise UserError(f"invalid config value model.memory.beta_min={memory.beta_min}: must be in [0, 1)")
-    family = FAMILIES[config.model.family]
     _validate_layers(config)
     if family.validate is not None:
         family.validate(config)

@@ -135,6 +135,9 @@ def validate(config) -> None:
         self_referential.validate(config)
     else:
         transformer.validate(config)
+        if config.train.get("write_penalty", 0.0) > 0:
+            _fail("hope.mixer", model.hope.mixer, "train.write_penalty charges the self-referential mixer's write "
+                  "gate; attention has none")
 
 
 def _make_mixer(cfg, layer_index: int, rngs):
@@ -418,6 +421,9 @@ class HopeModel(LanguageModel):
         return jnp.swapaxes(logits, 0, 1), cache
 
 
+# Its decode steps the CMS token by token inside a scan, where a layer cannot report a write cost: the write
+# cost trains without state passing.
 register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope, serial_traffic=first_pass_traffic,
+         write_cost=True, decode_write_cost=False, optional_write_gate=True,
          # runs saved before CMS retention and learned rates
          migrations=(*SELF_REFERENTIAL_MIGRATIONS, ("model.cms.decay", (0.0,)), ("model.cms.learn_lr", False)))

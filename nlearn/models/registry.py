@@ -22,6 +22,7 @@ class Family:
     sequence_parallel: bool = False  # its mixers split a sequence over `mesh.sequence` devices
     write_cost: bool = False  # its memories sow a write cost that `train.write_penalty` can charge
     decode_write_cost: bool = True  # ... while decoding too (train.state_passing's forward decodes)
+    optional_write_gate: bool = False  # its `memory.lr_gate` may be "none" (a layer without a write gate)
     # (model_cfg, n_params, seq_len, sequences per device) -> (passes, HBM bytes per device): sequential work of
     # a step that a compiled program's roofline does not see (nlearn.train.compile adds it; Hope's first pass)
     serial_traffic: Optional[Callable] = None

@@ -50,6 +50,10 @@ def memory_config(**overrides) -> ml_collections.ConfigDict:
     c.activation = "gelu"  # see nlearn.memory.neural_memory.ACTIVATIONS
     c.retain_init = 0.99  # retain_t at initialisation (the retain bias starts at its logit)
     c.lr_init = 0.1  # sigmoid of the lr bias at initialisation (lr_t starts near lr_max * lr_init)
+    # A layer write gate scaling each token's step (a length mechanism, docs/long_context.md): "none", "sigmoid"
+    # or "hard_sigmoid" (closes exactly; the gate train.write_penalty charges); gate_conv: it reads a short conv
+    c.lr_gate = "none"
+    c.gate_conv = False
     c.update(overrides)
     return c
 
@@ -84,7 +88,11 @@ def validate(config) -> None:
         _fail("inner_step", mem.inner_step, f"valid choices: {', '.join(INNER_STEPS)}")
     if mem.activation not in ACTIVATIONS:
         _fail("activation", mem.activation, f"valid choices: {', '.join(sorted(ACTIVATIONS))}")
-    for key in ("dgd", "dgd_output", "self_targets", "adaptive_q", "read_residual"):
+    if config.train.get("write_penalty", 0.0) > 0 and mem.lr_gate == "none":
+        _fail("lr_gate", mem.lr_gate, "train.write_penalty charges a write gate: set it to sigmoid or hard_sigmoid")
+    if mem.gate_conv is True and mem.lr_gate == "none":
+        _fail("gate_conv", mem.gate_conv, "the conv feeds the write gate: set model.memory.lr_gate too")
+    for key in ("dgd", "dgd_output", "self_targets", "adaptive_q", "read_residual", "gate_conv"):
         if not isinstance(mem[key], bool):
             _fail(key, mem[key], "must be True or False")
     if not 0.0 < mem.lr_max <= LR_MAX_BOUND:
@@ -102,6 +110,6 @@ def _make_mixer(cfg, layer_index, rngs):
 # Keys added after runs were saved (here and by `hope`), with the value such a run trained with.
 MIGRATIONS = (("model.memory.dgd_output", False), ("model.memory.targets", "chunk"),
               ("model.memory.inner_step", "plain"), ("model.memory.read_residual", True),
-              ("model.memory.retain_to", "zero"))
-register("self_ref_titans", _make_mixer, validate, migrations=MIGRATIONS,
+              ("model.memory.retain_to", "zero"), ("model.memory.lr_gate", "none"), ("model.memory.gate_conv", False))
+register("self_ref_titans", _make_mixer, validate, migrations=MIGRATIONS, write_cost=True, optional_write_gate=True,
          flops=flops.per_head(lambda cfg, t, d, be: flops.self_referential(t, d, cfg.memory)))

@@ -3,7 +3,8 @@
 Trained on short windows with its loss on an answer, a memory has no reason to leave its state alone over
 input it never needs: every filler token's write wears a stored association (a needle) a little, which a
 512-token window does not notice and a 16K one does. Charging `write_penalty` times the mean write cost per
-layer (the write gate's strength: the delta rules' beta, the Titans and TTT memories' learning rate;
+layer (the write gate's strength: the delta rules' beta, the Titans and TTT memories' learning rate, the
+self-referential memories' layer gate `memory.lr_gate`, which scales a token's whole step;
 `nlearn.layers.mixers.base.WRITE_COSTS`) lets the model close its write gate wherever a write does not lower
 the loss. With `model.memory.beta_gate="hard_sigmoid"` (`lr_gate` for Titans and TTT) a closed gate is exactly
 0, and a token written with strength 0 adds nothing to the state however many follow (a Titans memory still

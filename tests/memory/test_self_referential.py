@@ -69,12 +69,16 @@ def _unit(z):
     return z / jnp.sqrt(jnp.sum(z * z, -1, keepdims=True))
 
 
-def _generated(start, xt, bias, f, lr_max=LR_MAX):
-    """k, v, retain, lr of tokens xt [B, H, D] from the generators' states (docs/self_referential.md §1)."""
+def _generated(start, xt, bias, f, lr_max=LR_MAX, gate=None):
+    """k, v, retain, lr of tokens xt [B, H, D] from the generators' states (docs/self_referential.md §1); a
+    write gate g [B, H] makes the token's step a fraction g of one: retain^g and g·lr_max·sigmoid(·)·retain^g."""
     k = _unit(_mem("k", start["k"], xt, bias, f))
     v = _mem("v", start["v"], xt, bias, f)
     retain = jax.nn.sigmoid(_mem("retain", start["retain"], xt, bias, f))
-    return k, v, retain, lr_max * retain * jax.nn.sigmoid(_mem("lr", start["lr"], xt, bias, f))
+    rate = lr_max * jax.nn.sigmoid(_mem("lr", start["lr"], xt, bias, f))
+    if gate is not None:
+        retain, rate = retain**gate, gate * rate
+    return k, v, retain, rate * retain
 
 
 def dgd_write(cur, k, grad, lr, retain, dgd=True, anchor=None):
@@ -91,7 +95,7 @@ def dgd_write(cur, k, grad, lr, retain, dgd=True, anchor=None):
 
 def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memory, chunk_other, activation="gelu",
               dgd=True, dgd_output=False, read="after_write", self_targets=True, adaptive_q=False, targets="chunk",
-              inner_step="plain", retain_to="zero"):
+              inner_step="plain", retain_to="zero", write_gate=None):
     """o [B, T, H, D] and the final weights; call it under `jax.enable_x64(True)` with float64 inputs."""
     f, df = _act(activation)
     bsz, t_len = x.shape[:2]
@@ -103,7 +107,7 @@ def reference(x, q, weights0, lr_bias, retain_bias, *, lr_max=LR_MAX, chunk_memo
         for n in names:
             if t % (chunk_memory if n == "memory" else chunk_other) == 0:
                 start[n] = weights[n]
-        k, v, retain, lr = _generated(start, x[:, t], bias, f, lr_max)
+        k, v, retain, lr = _generated(start, x[:, t], bias, f, lr_max, None if write_gate is None else write_gate[:, t])
         qt = _unit(_mem("q", start["q"], q[:, t], bias, f)) if adaptive_q else q[:, t]
         new = {}
         for n in names:
@@ -581,3 +585,88 @@ def test_decode_after_chunked_prefill_equals_full_sequence(targets):
         o_t, state = step(x[:, t], q[:, t], state=state)
         outs.append(o_t)
     assert rel_err(jnp.stack(outs, 1) - q[:, 5:], o[:, 5:] - q[:, 5:]) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# The write gate (`write_gate`, the layer's `memory.lr_gate`)
+
+def make_gate(seed, t_len=GRAD_T):
+    """[B, T, H] in [0, 1] with exact zeros and ones among the values."""
+    g = np.random.default_rng(seed).uniform(-0.3, 1.3, size=(B, t_len, H))
+    return jnp.asarray(np.clip(g, 0.0, 1.0), jnp.float32)
+
+
+@pytest.mark.parametrize("cfg", [dict(cm=2, co=4), pytest.param(dict(cm=4, co=2, tg="initial", os="normalized",
+                                                                     rt="initial", dgo=True), marks=pytest.mark.slow)],
+                         ids=cfg_id)
+def test_write_gate_chunked_and_recurrent_match_reference_values_and_gradients(cfg):
+    args, r_o, r_w = _probe(cfg)
+    gate = make_gate(5)
+
+    def loss(impl):
+        def fn(x, q, w0, lb, rb, g):
+            o, st = self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, impl=impl, write_gate=g,
+                                            **op_kwargs(cfg))
+            return _objective(o, st, r_o, r_w), o
+        return fn
+
+    grads = {impl: run_fast(jax.value_and_grad(loss(impl), argnums=tuple(range(6)), has_aux=True), *args, gate)
+             for impl in ("chunked", "recurrent")}
+    with jax.enable_x64(True):
+        def ref_loss(*a):
+            o, st = reference(*a[:5], write_gate=a[5], **op_kwargs(cfg))
+            return _objective(o, st, f64(r_o), f64(r_w)), o
+
+        (_, o_ref), g_ref = jax.value_and_grad(ref_loss, argnums=tuple(range(6)), has_aux=True)(*f64(args + (gate,)))
+        o_ref, g_ref = np.asarray(o_ref), jax.tree_util.tree_map(np.asarray, g_ref)
+    for impl, ((_, o), g) in grads.items():
+        assert rel_err(o, o_ref) <= TOL, impl
+        assert_grads_close(g[:5], g_ref[:5])
+        assert rel_err(g[5], g_ref[5]) <= TOL, f"{impl}: grad write_gate {rel_err(g[5], g_ref[5]):.2e}"
+
+
+def test_a_closed_write_gate_leaves_every_memory_as_it_was():
+    """Tokens written with strength 0 change no memory (retention included), however many follow, and the
+    closed span is read from the state before it."""
+    cfg = dict(cm=2, co=4, rt="initial", tg="initial")
+    x, q, w0, lb, rb = make_inputs(14)
+    kw = dict(weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+    open_until = 8  # a boundary of both grids
+    gate = jnp.ones((B, T, H), jnp.float32).at[:, open_until:].set(0.0)
+    _, before = sr_fast(x[:, :open_until], q[:, :open_until], **kw)
+    o, after = run_fast(lambda x, q, g: self_referential_titans(x, q, write_gate=g, **kw), x, q, gate)
+    for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    step = functools.partial(self_referential_titans_step, **kw)  # the read of a token that writes nothing
+    o_read, _ = step(x[:, -1], q[:, -1], state=self_referential_init_state(before, B), write_gate_t=gate[:, -1])
+    assert rel_err(o[:, -1] - q[:, -1], o_read - q[:, -1]) <= 1e-5
+
+
+def test_write_gate_streams_and_decodes_as_the_full_sequence():
+    cfg = dict(cm=2, co=4)
+    x, q, w0, lb, rb = make_inputs(15, t_len=13)
+    gate = make_gate(6, t_len=13)
+    kw = dict(weights0=w0, lr_bias=lb, retain_bias=rb, **op_kwargs(cfg))
+
+    def run(x, q, g, **more):
+        return run_fast(lambda x, q, g: self_referential_titans(x, q, write_gate=g, **kw, **more), x, q, g)
+
+    o, _ = run(x, q, gate)
+    o1, state = run(x[:, :7], q[:, :7], gate[:, :7], return_stream_state=True)  # 7: inside a chunk of both grids
+    o2, _ = run_fast(lambda x, q, g, s: self_referential_titans(x, q, write_gate=g, initial_state=s, **kw),
+                     x[:, 7:10], q[:, 7:10], gate[:, 7:10], state)
+    step = jax.jit(functools.partial(self_referential_titans_step, **kw))
+    _, state = run(x[:, :10], q[:, :10], gate[:, :10], return_stream_state=True)
+    outs = []
+    for t in range(10, x.shape[1]):
+        o_t, state = step(x[:, t], q[:, t], state=state, write_gate_t=gate[:, t])
+        outs.append(o_t)
+    got = jnp.concatenate([o1, o2, jnp.stack(outs, 1)], 1)
+    assert rel_err(got - q, o - q) <= 1e-5
+
+
+def test_a_write_gate_of_the_wrong_shape_names_it():
+    x, q, w0, lb, rb = make_inputs(16)
+    with pytest.raises(ValueError, match="write_gate must have shape"):
+        self_referential_titans(x, q, weights0=w0, lr_bias=lb, retain_bias=rb, lr_max=LR_MAX,
+                                write_gate=jnp.ones((B, T)))
