@@ -23,9 +23,7 @@ import os
 TASK = dict(source="niah", variants="single_1", qa_tasks="qa1,qa2", seq_len=512, min_len=384,
             curriculum="256:3000", vocab_size=1024, eval_examples=64, loss_on="answer")
 MODEL = dict(d_model=128, num_layers=2, num_heads=2, mlp_dim=128)
-# Fewer than ~3000 steps at 256 do not learn the task (results/history.md): ~58 minutes on one core (5.5k tokens/s).
-# WSD holds the peak lr through the 256 stage and decays over the 512 one: seed 1 learns the needle by step 4500
-# (loss 0.01), which it did not under a cosine (0.62).
+# ~58 min on one core; <3000 steps at 256 miss the task; WSD (a cosine learnt it on seed 0 only): results/history.md
 BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="wsd", decay_fraction=1 / 3, min_lr_ratio=0.1,
               warmup_steps=20, weight_decay=0.0, cpu_opt_preset="fast_compile")
 FAMILY_OVERRIDES: dict[str, dict] = {
