@@ -287,6 +287,9 @@ class HopeModel(LanguageModel):
         n = -(-t // c)
         graphdef, state = nnx.split(self)
         frozen = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, state))
+        # Pass 1 is a constant to the outer loss: its mixers run inside a scan and a grad, where nothing is sown,
+        # and pass 2 reads the whole window again, so the write cost (`train.write_penalty`) is pass 2's alone.
+        frozen.set_attributes(record_writes=False, raise_if_not_found=False)
         delta0 = frozen.zero_delta(b)
         if n == 1:
             return self._no_factors(b)
