@@ -343,9 +343,13 @@ def test_the_preset_hope_trains_resumes_and_decodes(tmp_path, cache_dir, text_co
     assert resumed[1]["loss"] == straight[1]["loss"] and np.isfinite(straight[1]["loss"])
 
     model = models.build(config)
-    tokens = jax.random.randint(jax.random.key(5), (2, 12), 0, 300)  # three periods of the slow level
-    decode = jitted(model, "decode")
-    first, cache = decode(tokens[:, :6], model.init_cache(2, 12))
-    second, _ = decode(tokens[:, 6:], cache)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate([first, second], 1)), np.asarray(jitted(model)(tokens)),
-                               atol=1e-5)
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 300)  # four periods of the slow level
+    full = np.asarray(jitted(model)(tokens))
+    assert model.decode_span == 4  # a CMS chunk of 2 per step over whole mixer periods of 4
+    decode, cache, pieces = jitted(model, "decode"), model.init_cache(2, 16), []
+    for start, stop in ((0, 4), (4, 8), (8, 9), (9, 13), (13, 16)):  # aligned spans, a token, an unaligned span
+        logits, cache = decode(tokens[:, start:stop], cache)
+        pieces.append(logits)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, 1)), full, atol=1e-5)
+    by_chunks, _ = jitted(model, "_decode_chunks")(tokens[:, :8], model.init_cache(2, 16))
+    np.testing.assert_allclose(np.asarray(by_chunks), full[:, :8], atol=1e-5)  # the chunk path itself

@@ -65,6 +65,7 @@ class Streamer:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         self._step = make_chunk_step(self.graphdef, self.dtype)
+        self.span = getattr(nnx.merge(self.graphdef, self.params), "decode_span", 1)
         self._score_step = None  # compiled on first use (score)
 
     def init_cache(self, batch: int, max_len: int):
@@ -74,7 +75,13 @@ class Streamer:
 
     def chunks(self, length: int) -> Iterable[slice]:
         """Full chunks, then the tail in decreasing powers of two (137 = 128 + 8 + 1): prompts of any length
-        reuse at most log2(chunk_size) + 2 compiled shapes."""
+        reuse at most log2(chunk_size) + 2 compiled shapes. A model whose `decode_span` is above 1 (Hope, which
+        reads a CMS chunk per step only in whole aligned spans) gets pieces of that span, then single tokens."""
+        if self.span > 1:
+            full = length - length % self.span
+            yield from (slice(start, start + self.span) for start in range(0, full, self.span))
+            yield from (slice(start, start + 1) for start in range(full, length))
+            return
         full = length - length % self.chunk_size
         for start in range(0, full, self.chunk_size):
             yield slice(start, start + self.chunk_size)

@@ -19,6 +19,7 @@ taken from that saved state, and the levels at a boundary update (constant memor
 
 from __future__ import annotations
 
+from functools import partial
 import math
 
 import jax
@@ -186,7 +187,7 @@ class HopeModel(LanguageModel):
     carry a leading layers axis (`[L, B, ...]`), and every path runs the blocks by one scan."""
 
     block = HopeBlock
-    decode_probes = False  # its decode scans the CMS token by token and takes no probe
+    decode_probes = False  # its decode scans the CMS (chunk or token steps) and takes no probe
 
     def __init__(self, cfg, make_mixer, *, rngs: nnx.Rngs):
         super().__init__(cfg, make_mixer, rngs=rngs)
@@ -401,21 +402,47 @@ class HopeModel(LanguageModel):
         """`cache` as it is: its `pos` counts every token read (the CMS chunks' and levels' clocks)."""
         return cache
 
+    @property
+    def decode_span(self) -> int:
+        """Pieces of this many tokens that start at a multiple of it decode a CMS chunk per step (`decode`)."""
+        return 1 if self.update == "none" else self.chunk * self.phases
+
     def decode(self, tokens_BT, cache):
-        """Feed `tokens [B, T]` after what `cache` holds, learning as the full forward does."""
+        """Feed `tokens [B, T]` after what `cache` holds, learning as the full forward does: a CMS chunk per step
+        where the piece is whole mixer periods from a period's start (`decode_span`), else token by token."""
         if self.update == "none":
             return self.run(tokens_BT, cache)
-        c = self.chunk
+        span = self.decode_span
+        if tokens_BT.shape[1] % span:
+            return self._decode_tokens(tokens_BT, cache)
+        return jax.lax.cond(cache["pos"] % span == 0, self._decode_chunks, self._decode_tokens, tokens_BT, cache)
 
-        def learn_previous_chunk(cache, tok_B):
-            targets = jnp.concatenate([cache["buf"][:, 1:], tok_B[:, None]], axis=1)
-            grads, _ = self.chunk_grads(cache["buf"], targets, cache["start"], cache["delta"])
-            delta, gsum = self.learn(cache["delta"], cache["gsum"], grads, cache["pos"])
-            return dict(cache, delta=delta, gsum=gsum, start=cache["mix"])
+    def _learn_previous_chunk(self, cache, tok_B, phase=None):
+        """`cache` once the CMS has learnt from the chunk in `buf`, whose last target is `tok_B`; `phase`, the
+        chunk's start within the mixer's period (traced: one branch per place), lets the mixer compute only the
+        chunks it touches (`at_phase`)."""
+        c, k = self.chunk, self.phases
+        targets = jnp.concatenate([cache["buf"][:, 1:], tok_B[:, None]], axis=1)
+
+        def grads_at(j):
+            return lambda: self.chunk_grads(cache["buf"], targets, self.at_phase(cache["start"], j * c),
+                                            cache["delta"])[0]
+
+        if phase is not None:
+            grads = grads_at(phase)()
+        else:
+            grads = jax.lax.switch((cache["pos"] // c - 1) % k, [grads_at(j) for j in range(k)])
+        delta, gsum = self.learn(cache["delta"], cache["gsum"], grads, cache["pos"])
+        return dict(cache, delta=delta, gsum=gsum, start=cache["mix"])
+
+    def _decode_tokens(self, tokens_BT, cache):
+        """`decode` token by token: the CMS learns from a chunk once the token after it arrives."""
+        c = self.chunk
 
         def step(cache, tok_B):
             pos = cache["pos"]
-            cache = jax.lax.cond((pos > 0) & (pos % c == 0), learn_previous_chunk, lambda cc, _: cc, cache, tok_B)
+            cache = jax.lax.cond((pos > 0) & (pos % c == 0), self._learn_previous_chunk, lambda cc, _: cc,
+                                 cache, tok_B)
             logits, mix = self.run(tok_B[:, None], cache["mix"], cache["delta"])
             buf = cache["buf"].at[:, pos % c].set(tok_B)
             return dict(cache, mix=mix, buf=buf, pos=pos + 1), logits[:, 0]
@@ -423,8 +450,32 @@ class HopeModel(LanguageModel):
         cache, logits = jax.lax.scan(step, cache, jnp.swapaxes(tokens_BT, 0, 1))
         return jnp.swapaxes(logits, 0, 1), cache
 
+    def _decode_chunks(self, tokens_BT, cache):
+        """`decode` of whole mixer periods from a period's start: each CMS chunk read at once with the `Δ` it
+        uses (the CMS learns only between chunks), the chunks' places in the period known when tracing."""
+        b, t = tokens_BT.shape
+        c, k = self.chunk, self.phases
+        xs = jnp.moveaxis(tokens_BT.reshape(b, t // (c * k), k, c), (1, 2), (0, 1))  # [steps, k, B, c]
 
-# Its decode steps the CMS token by token inside a scan, where a layer cannot report a write cost: the write
+        def body(cache, x):
+            out = []
+            for j in range(k):
+                previous = (j - 1) % k
+                if j == 0:  # at the stream's start there is no previous chunk
+                    cache = jax.lax.cond(cache["pos"] > 0, partial(self._learn_previous_chunk, phase=previous),
+                                         lambda cc, _: cc, cache, x[j][:, 0])
+                else:
+                    cache = self._learn_previous_chunk(cache, x[j][:, 0], previous)
+                logits, mix = self.run(x[j], self.at_phase(cache["mix"], j * c), cache["delta"])
+                cache = dict(cache, mix=mix, buf=x[j], pos=cache["pos"] + c)
+                out.append(logits)
+            return cache, jnp.stack(out)  # [k, B, c, V]
+
+        cache, logits = jax.lax.scan(body, cache, xs)  # [steps, k, B, c, V]
+        return jnp.moveaxis(logits, 2, 0).reshape(b, t, -1), cache
+
+
+# Its decode steps the CMS inside a scan, where a layer cannot report a write cost: the write
 # cost trains without state passing.
 register("hope", _make_mixer, validate, model=HopeModel, flops=flops.hope, serial_traffic=first_pass_traffic,
          write_cost=True, decode_write_cost=False, optional_write_gate=True,

@@ -143,6 +143,7 @@ class LanguageModel(nnx.Module):
 
     block = Block
     decode_probes = True  # `decode(..., probe=)` shows a probe every block's input
+    decode_span = 1  # `decode` is fastest on pieces of this many tokens from a multiple of it (eval.streaming)
 
     def __init__(self, cfg, make_mixer: MixerFactory, *, rngs: nnx.Rngs):
         self.remat = cfg.remat

@@ -44,3 +44,14 @@ def test_sliding_window_cache_stays_bounded():
     cache = streamer.init_cache(1, 1000)
     _, cache = streamer.prefill(np.zeros((1, 40), np.int32), cache)
     assert cache[0]["k"].shape[1] == 8 and int(cache[0]["next"]) == 40
+
+
+def test_hope_streams_in_whole_decode_spans_then_token_by_token():
+    """Hope reads a CMS chunk per decode step only over whole mixer periods from a period's start
+    (`decode_span`): streams come in pieces of that span, then single tokens, two compiled shapes in all."""
+    graphdef, params = split_model(small_config("hope"))
+    streamer = Streamer(graphdef, params, chunk_size=512)
+    span = streamer.span
+    assert span > 1
+    assert [(s.start, s.stop) for s in streamer.chunks(2 * span + 3)] == [(0, span), (span, 2 * span)] + [
+        (2 * span + i, 2 * span + i + 1) for i in range(3)]
