@@ -46,6 +46,14 @@ class ShortConv(nnx.Module):
         return y, jnp.concatenate([past, x_BTC], axis=1)[:, t:]  # the last K-1 inputs
 
 
+def gate_conv(cfg, rngs: nnx.Rngs) -> ShortConv | None:
+    """With `memory.gate_conv=True`, the short causal conv over `[B, T, d_model]` that a memory's write gates
+    read (the last few tokens, as Mamba's dt reads its conv), the identity at first so a gate starts as the
+    token's own; None without it."""
+    if not cfg.memory.get("gate_conv", False):
+        return None
+    return ShortConv(cfg.d_model, cfg.memory.conv_size or 4, init="identity", channel_axis="embed", rngs=rngs)
+
 def causal_conv_reference(past_BKC, x_BTC, w_KC):
     """`y_t = sum_i w_i * [past ‖ x]_{t+i}`, `past [B, K-1, C]`, `w [K, C]` (oldest tap first):
     the plain definition, differentiated by autodiff (the slow twin of `causal_conv`)."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nlearn.layers.conv import ShortConv
+from nlearn.layers.conv import ShortConv, gate_conv
 from nlearn.layers.core import Dense, RMSNorm, param
 from nlearn.layers.mixers import l2_normalize
 from nlearn.layers.mixers.base import WRITE_COSTS, WRITE_GATES
@@ -82,9 +82,9 @@ class SelfReferentialMixer(nnx.Module):
         if self.write_gate_kind is not None:
             self.lr_gate = Dense(cfg.d_model, h, axes=("embed", "heads"), bias=True, std=cfg.init_std, rngs=rngs)
             self.lr_gate.bias[...] = jnp.full((h,), GATE_OPEN_BIAS, jnp.float32)
-            if mem.get("gate_conv", False):
-                self.gate_conv = ShortConv(cfg.d_model, mem.conv_size or 4, init="identity", channel_axis="embed",
-                                           rngs=rngs)
+            conv = gate_conv(cfg, rngs)
+            if conv is not None:
+                self.gate_conv = conv
 
     def weights0(self) -> dict:
         """`{memory: (W_in [H, D, Dh], W_out [H, Dh, D_out])}`, the op's initial weights."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nlearn.layers.conv import ShortConv, causal_conv_over_sequence
+from nlearn.layers.conv import ShortConv, causal_conv_over_sequence, gate_conv
 from nlearn.layers.core import Dense, RMSNorm, head_dim
 from nlearn.memory import sequence_parallel as sp
 
@@ -84,12 +84,11 @@ class MemoryMixer(nnx.Module):
 
     # --- shared ----------------------------------------------------------------------------
     def init_gate_conv(self, cfg, rngs: nnx.Rngs) -> None:
-        """`memory.gate_conv=True`: the gates read a short causal conv of the input, as Mamba's dt reads its
-        conv, so a gate sees the last few tokens, not one alone. It starts as the identity (the token gate).
-        Subclasses call it last in `__init__`, so the other parameters draw as without it."""
-        if cfg.memory.get("gate_conv", False):
-            self.gate_conv = ShortConv(cfg.d_model, cfg.memory.conv_size or 4, init="identity", channel_axis="embed",
-                                       rngs=rngs)
+        """`memory.gate_conv=True`: the gates read `nlearn.layers.conv.gate_conv` of the input. Subclasses call it
+        last in `__init__`, so the other parameters draw as without it."""
+        conv = gate_conv(cfg, rngs)
+        if conv is not None:
+            self.gate_conv = conv
 
     def write_gate(self, z_BTH):
         """The write strength in [0, 1] from its logits."""
