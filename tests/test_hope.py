@@ -204,9 +204,11 @@ def decoded(model, tokens, prompt: int = 6):
     return jnp.concatenate(steps, 1), cache
 
 
-def test_decoding_with_updates_equals_the_full_forward(model, tokens):
-    """A 6-token prompt, then one token at a time: the levels learn on what was seen."""
-    logits, cache = decoded(model, tokens)
+@pytest.mark.parametrize("prompt", [6, 8])
+def test_decoding_with_updates_equals_the_full_forward(model, tokens, prompt):
+    """A prompt, then one token at a time: the levels learn on what was seen. A prompt of 8 is two whole
+    `decode_span`s, read a CMS chunk per step."""
+    logits, cache = decoded(model, tokens, prompt)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(jitted(model)(tokens)), atol=1e-5)
     assert int(cache["pos"]) == 19
 
