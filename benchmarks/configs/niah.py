@@ -42,6 +42,9 @@ TRAIN_OVERRIDES: dict[str, dict] = {
 }
 # Self-referential memories take mqar.py's memory settings: with the LM defaults recall is not learnt.
 SELF_REFERENTIAL_FAMILIES = ("self_ref_titans", "hope")
+# ...and keep their state over long filler: a charged write gate, retention toward the initial weights (history.md).
+SELF_REFERENTIAL_OVERRIDES = {"memory.lr_gate": "hard_sigmoid", "memory.gate_conv": True, "memory.retain_to": "initial"}
+SELF_REFERENTIAL_TRAINING = dict(write_penalty=0.2, write_penalty_from=3000)
 
 
 def _mqar_module():
@@ -68,11 +71,12 @@ def get_config(family: str = "titans_lmm"):
         config.model.update(MODEL)
         overrides = dict(FAMILY_OVERRIDES.get(family, {}))
         if family in SELF_REFERENTIAL_FAMILIES:
-            overrides.update(mqar.FAMILY_OVERRIDES["self_ref_titans"])
+            overrides.update(mqar.FAMILY_OVERRIDES["self_ref_titans"], **SELF_REFERENTIAL_OVERRIDES)
         for key, value in overrides.items():
             mqar._set(config.model, key, value)
         config.train.update(seq_len=TASK["seq_len"], log_every=50, eval_every=0,
-                            **{**BUDGET, **TRAIN_OVERRIDES.get(family, {})})
+                            **{**BUDGET, **TRAIN_OVERRIDES.get(family, {}),
+                               **(SELF_REFERENTIAL_TRAINING if family in SELF_REFERENTIAL_FAMILIES else {})})
         config.checkpoint.every_steps = 200
         config.logging.plot = False
     return config
