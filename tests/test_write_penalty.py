@@ -64,24 +64,29 @@ def test_the_write_cost_is_each_layers_mean_gate_strength_summed(remat):
 def test_every_gated_memory_charges_its_learning_rate_gate(family):
     """With every lr gate constant (kernel 0, bias b) each layer charges relu(b + 4) / 6, Titans MAC (whose memory
     runs inside its segment scan) included; a gate below -4 charges nothing."""
-    config = small_config(family)
-    np.testing.assert_allclose(cost_with_constant_gate(config, -1.5), 2 * 2.5 / 6, rtol=1e-5)
-    assert cost_with_constant_gate(config, -4.5) == 0.0
+    cost_with_bias = constant_gate_cost(small_config(family))
+    np.testing.assert_allclose(cost_with_bias(-1.5), 2 * 2.5 / 6, rtol=1e-5)
+    assert cost_with_bias(-4.5) == 0.0
 
 
-def cost_with_constant_gate(config, bias: float) -> float:
-    """The write cost of a window of 10 tokens with every lr gate's kernel 0 and its bias `bias`."""
+def constant_gate_cost(config):
+    """`bias -> the write cost of a window of 10 tokens` with every lr gate's kernel 0 and its bias `bias` (one
+    model, initialised once)."""
     setup = make_setup(config)
+    params = setup.init_state()["params"]
     x = tokens((4, 10))
 
-    def set_gate(path, leaf):
-        names = [str(getattr(p, "key", p)) for p in path]
-        if "lr_gate" not in names:
-            return leaf
-        return jnp.full_like(leaf, bias) if names[-1] == "bias" else jnp.zeros_like(leaf)
+    def cost_with_bias(bias: float) -> float:
+        def set_gate(path, leaf):
+            names = [str(getattr(p, "key", p)) for p in path]
+            if "lr_gate" not in names:
+                return leaf
+            return jnp.full_like(leaf, bias) if names[-1] == "bias" else jnp.zeros_like(leaf)
 
-    gated = jax.tree_util.tree_map_with_path(set_gate, setup.init_state()["params"])
-    return float(token_losses_and_write_cost(setup.graphdef, gated, x, x, jnp.float32)[1])
+        gated = jax.tree_util.tree_map_with_path(set_gate, params)
+        return float(token_losses_and_write_cost(setup.graphdef, gated, x, x, jnp.float32)[1])
+
+    return cost_with_bias
 
 
 def test_hope_charges_its_mixers_once_while_its_cms_learns_in_context():
@@ -90,7 +95,7 @@ def test_hope_charges_its_mixers_once_while_its_cms_learns_in_context():
     config = small_config("hope", write_penalty=1.0)
     with config.unlocked():
         config.model.cms.periods = (4, 8)
-    np.testing.assert_allclose(cost_with_constant_gate(config, -1.5), 2 * 2.5 / 6, rtol=1e-5)
+    np.testing.assert_allclose(constant_gate_cost(config)(-1.5), 2 * 2.5 / 6, rtol=1e-5)
     history = run_steps(config, 2)[2]
     assert np.isfinite(history[-1]["loss"]) and history[-1]["write_cost"] > 0
 

@@ -35,16 +35,16 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "titans_mag": {"memory.depth": 1},
     "titans_mal": {"memory.depth": 1},
 }
-# deltanet (measured with a cosine): a write cost from step 3000 closes its gates on the filler; then state passing.
-TRAIN_OVERRIDES: dict[str, dict] = {
-    "deltanet": dict(steps=BUDGET["steps"] + 2000, schedule="cosine", decay_steps=BUDGET["steps"], state_passing=0.9,
-                     state_passing_from=BUDGET["steps"], write_penalty=0.2, write_penalty_from=3000),
-}
 # Self-referential memories take mqar.py's memory settings: with the LM defaults recall is not learnt.
 SELF_REFERENTIAL_FAMILIES = ("self_ref_titans", "hope")
 # ...and keep their state over long filler: a charged write gate, retention toward the initial weights (history.md).
 SELF_REFERENTIAL_OVERRIDES = {"memory.lr_gate": "hard_sigmoid", "memory.gate_conv": True, "memory.retain_to": "initial"}
-SELF_REFERENTIAL_TRAINING = dict(write_penalty=0.2, write_penalty_from=3000)
+# deltanet (measured with a cosine): a write cost from step 3000 closes its gates on the filler; then state passing.
+TRAIN_OVERRIDES: dict[str, dict] = {
+    "deltanet": dict(steps=BUDGET["steps"] + 2000, schedule="cosine", decay_steps=BUDGET["steps"], state_passing=0.9,
+                     state_passing_from=BUDGET["steps"], write_penalty=0.2, write_penalty_from=3000),
+    **{family: dict(write_penalty=0.2, write_penalty_from=3000) for family in SELF_REFERENTIAL_FAMILIES},
+}
 
 
 def _mqar_module():
@@ -75,8 +75,7 @@ def get_config(family: str = "titans_lmm"):
         for key, value in overrides.items():
             mqar._set(config.model, key, value)
         config.train.update(seq_len=TASK["seq_len"], log_every=50, eval_every=0,
-                            **{**BUDGET, **TRAIN_OVERRIDES.get(family, {}),
-                               **(SELF_REFERENTIAL_TRAINING if family in SELF_REFERENTIAL_FAMILIES else {})})
+                            **{**BUDGET, **TRAIN_OVERRIDES.get(family, {})})
         config.checkpoint.every_steps = 200
         config.logging.plot = False
     return config

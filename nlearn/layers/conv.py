@@ -54,6 +54,7 @@ def gate_conv(cfg, rngs: nnx.Rngs) -> ShortConv | None:
         return None
     return ShortConv(cfg.d_model, cfg.memory.conv_size or 4, init="identity", channel_axis="embed", rngs=rngs)
 
+
 def causal_conv_reference(past_BKC, x_BTC, w_KC):
     """`y_t = sum_i w_i * [past ‖ x]_{t+i}`, `past [B, K-1, C]`, `w [K, C]` (oldest tap first):
     the plain definition, differentiated by autodiff (the slow twin of `causal_conv`)."""
