@@ -23,7 +23,7 @@ import os
 TASK = dict(source="niah", variants="single_1", qa_tasks="qa1,qa2", seq_len=512, min_len=384,
             curriculum="256:3000", vocab_size=1024, eval_examples=64, loss_on="answer")
 MODEL = dict(d_model=128, num_layers=2, num_heads=2, mlp_dim=128)
-# ~58 min on one core; <3000 steps at 256 miss the task; WSD (a cosine learnt it on seed 0 only): results/history.md
+# titans_mac ~60 min on one core, ~32 on two (9.6k tok/s); <3000 steps at 256 miss the task; WSD: results/history.md
 BUDGET = dict(batch_size=8, steps=4500, lr=3e-3, schedule="wsd", decay_fraction=1 / 3, min_lr_ratio=0.1,
               warmup_steps=20, weight_decay=0.0, cpu_opt_preset="fast_compile")
 FAMILY_OVERRIDES: dict[str, dict] = {
